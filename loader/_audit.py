@@ -1,0 +1,100 @@
+"""Delivery records (one JSON line per delivered micro-batch) and the exactly-once check over them.
+
+A record is ``{"epoch", "step", "rank", "keys", ...}``: ``epoch`` is the
+micro-batch's own epoch, ``step`` counts steps since training began. ``omnifeed
+plan`` prints these records; the service's audit logs use the same shape.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from ._cursor import Step
+from ._errors import OmnifeedError
+from ._index import SampleIndex
+from ._plan import Plan
+
+_EXAMPLES = 5
+
+
+def delivery_records(step: Step, plan: Plan, index: SampleIndex, ranks: Iterable[int] | None = None) -> Iterator[dict[str, Any]]:
+    """The records of one step, rank by rank and accumulation micro-step by micro-step."""
+    for rank in range(step.world_size) if ranks is None else ranks:
+        for accum, global_index in enumerate(step.global_indices(rank)):
+            mb = plan.micro_batch(global_index)
+            yield {
+                "epoch": mb.epoch, "step": step.step, "rank": rank, "accum": accum,
+                "micro_batch": mb.index, "world_size": step.world_size,
+                "topology_version": step.topology_version, "keys": index.keys(mb.positions),
+            }
+
+
+def read_delivery_logs(paths: Iterable[str | Path], stdin: IO[str] | None = None) -> Iterator[dict[str, Any]]:
+    """Records from JSON-lines files (``-`` reads ``stdin``); a malformed line names its file and line."""
+    for path in paths:
+        handle = stdin if str(path) == "-" and stdin is not None else open(path, encoding="utf-8")
+        try:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or not isinstance(record.get("keys"), list):
+                        raise ValueError("expected an object with a 'keys' list")
+                    int(record["epoch"])
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise OmnifeedError(f"{path}:{number}: not a delivery record ({exc}); pass logs written by omnifeed") from exc
+                yield record
+        finally:
+            if handle is not stdin:
+                handle.close()
+
+
+@dataclass
+class CoverageReport:
+    """How an epoch's samples were delivered: each exactly once is the only passing outcome."""
+
+    epoch: int
+    samples: int
+    delivered: int
+    unique: int
+    duplicates: int
+    missing: int
+    unknown: int
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    @property
+    def ok(self) -> bool:
+        """True when every sample of the epoch was delivered exactly once and nothing else was."""
+        return self.duplicates == 0 and self.missing == 0 and self.unknown == 0 and self.delivered == self.samples
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as a JSON-ready dict, with ``ok``."""
+        return {**asdict(self), "ok": self.ok}
+
+
+def verify_coverage(index: SampleIndex, epoch: int, records: Iterable[dict[str, Any]]) -> CoverageReport:
+    """Check that the records deliver every sample of ``epoch`` exactly once."""
+    keys: list[str] = []
+    for record in records:
+        if int(record["epoch"]) == epoch:
+            keys.extend(record["keys"])
+    positions = index.positions_of(keys) if keys else np.empty(0, dtype=np.int64)
+    known = positions >= 0
+    counts = np.bincount(positions[known], minlength=index.num_samples)
+    repeated, absent = np.flatnonzero(counts > 1), np.flatnonzero(counts == 0)
+    unknown_keys = [k for k, ok in zip(keys, known.tolist()) if not ok]
+    return CoverageReport(
+        epoch=epoch, samples=index.num_samples, delivered=len(keys), unique=int((counts > 0).sum()),
+        duplicates=int((counts[repeated] - 1).sum()), missing=int(absent.size), unknown=len(unknown_keys),
+        examples={
+            "duplicated": index.keys(repeated[:_EXAMPLES]), "missing": index.keys(absent[:_EXAMPLES]),
+            "unknown": unknown_keys[:_EXAMPLES],
+        },
+    )

@@ -1,0 +1,91 @@
+"""Typed, validated configuration for indexing and planning (see docs/config.md)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_DEFAULT_EXTENSIONS: dict[str, str] = {
+    **dict.fromkeys(("jpg", "jpeg", "png", "webp"), "image"),
+    **dict.fromkeys(("mp4", "webm", "mkv", "avi", "mov"), "video"),
+    **dict.fromkeys(("flac", "wav", "mp3", "ogg", "m4a"), "audio"),
+    **dict.fromkeys(("txt", "text"), "text"),
+}
+_MODALITY_NAMES = ("text", "image", "video", "audio", "meta")
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class IndexConfig(_Model):
+    """How `omnifeed index` scans sources and writes the index."""
+
+    partitions: int = Field(16, ge=1, le=1024, description="Parquet partitions, by hash of the sample key.")
+    workers: int = Field(2, ge=1, le=1024, description="Processes scanning shards in parallel.")
+    tokenizer: str = Field(
+        "regex",
+        description="Text length measure: 'regex' (words and punctuation), 'whitespace', "
+        "'bytes' (UTF-8 bytes), or 'module:function' returning a count or a token list.",
+    )
+    modalities: dict[str, str] = Field(
+        default_factory=dict,
+        description="Field name (lower-case extension, e.g. 'cap') -> modality; overrides the defaults.",
+    )
+    key_column: str = Field("__key__", description="Parquet column holding the sample key.")
+
+    @field_validator("modalities")
+    @classmethod
+    def _known_modalities(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, modality in value.items():
+            if modality not in _MODALITY_NAMES:
+                raise ValueError(f"field {name!r}: modality {modality!r} is not one of {', '.join(_MODALITY_NAMES)}")
+        return {name.lower(): modality for name, modality in value.items()}
+
+    def modality_of(self, field_name: str) -> str:
+        """Modality of a field by its name: the override, else the last extension's default, else 'meta'."""
+        name = field_name.lower()
+        if name in self.modalities:
+            return self.modalities[name]
+        last = name.rsplit(".", 1)[-1]
+        if last in self.modalities:
+            return self.modalities[last]
+        return _DEFAULT_EXTENSIONS.get(last, "meta")
+
+
+class PlanConfig(_Model):
+    """What fixes the global micro-batch sequence (with the index fingerprint and the epoch)."""
+
+    seed: int = Field(0, ge=0, lt=2**63, description="Shuffle seed.")
+    batch_size: int = Field(8, ge=1, description="Samples per micro-batch.")
+    shuffle: Literal["permutation", "shard_block", "none"] = Field(
+        "permutation",
+        description="'permutation': keyed pseudo-random permutation of all samples; "
+        "'shard_block': shuffled shard order, shuffled within windows of shards (sequential reads); "
+        "'none': index order.",
+    )
+    shards_per_window: int = Field(4, ge=1, description="Shards per shuffle window in 'shard_block' mode.")
+    drop_last: bool = Field(
+        False,
+        description="Drop each epoch's last, short micro-batch (its samples are reported, never silently lost).",
+    )
+
+    def fingerprint(self) -> str:
+        """Stable hash of every setting that changes the micro-batch sequence."""
+        payload = json.dumps(self.model_dump(), sort_keys=True)
+        return xxhash.xxh3_64_hexdigest(payload.encode())
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML config file into a dict, naming the file when it is not a mapping."""
+    import yaml
+
+    text = Path(path).read_text(encoding="utf-8")
+    data = yaml.safe_load(text) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a config file must hold a mapping at the top level, found {type(data).__name__}")
+    return data

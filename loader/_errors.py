@@ -1,0 +1,24 @@
+"""The errors omnifeed raises for bad input, each naming what is wrong and what to do."""
+
+from __future__ import annotations
+
+
+class OmnifeedError(Exception):
+    """Base class of every error omnifeed raises on purpose."""
+
+
+class SourceError(OmnifeedError):
+    """A source (shard, table, folder or file) is missing, unreadable or malformed."""
+
+    def __init__(self, message: str, *, url: str | None = None, key: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+        self.key = key
+
+
+class IndexFormatError(OmnifeedError):
+    """An index directory is missing, incomplete or not an omnifeed index."""
+
+
+class StateMismatchError(OmnifeedError):
+    """A saved plan state does not belong to this index or this batching config."""

@@ -1,0 +1,220 @@
+"""Sources: fsspec URLs expanded into shards, and one field read back by its index location.
+
+Three kinds of shard, all named by fsspec URL (or local path) (scanned by ``_scan``):
+
+- ``tar``: a WebDataset shard. A sample is a run of adjacent members sharing a key (the
+  member path up to the first dot of its basename); the rest of the name, lower-cased, is
+  the field. Fields are read back with one ranged read (data offset and size).
+- ``parquet``: one row per sample, keyed by ``IndexConfig.key_column``; every other
+  column is a field named by its lower-cased column name; null cells are absent fields.
+- ``folder``: files grouped by key as in a tar, relative path up to the first dot of the
+  basename; hidden files and folders (name starting with '.') are skipped.
+
+A Parquet cell's field bytes are the value itself for binary columns, UTF-8 for string
+columns and JSON text for any other type (numbers, lists, structs). Errors that mean the
+source is missing or malformed raise SourceError naming the URL, the member or key, and what
+to do; connection errors and timeouts propagate (with a note) so that callers can retry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import re
+import tarfile
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+
+from ._config import IndexConfig
+from ._errors import SourceError
+from ._records import FieldLocation, ShardSpec, SourceKind
+
+logger = logging.getLogger(__name__)
+
+_COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
+RECREATE_SHARD = "re-create the shard"
+_BINARY_TYPES = ("binary", "large_binary", "fixed_size_binary", "binary_view")  # pyarrow.types.is_*
+_STRING_TYPES = ("string", "large_string", "string_view")
+
+
+def _kind_by_name(path: str, spec: str) -> SourceKind | None:
+    lower = path.lower().rstrip("/")
+    if lower.endswith(_COMPRESSED_TAR):
+        raise SourceError(
+            f"{spec}: {path} is a compressed tar, which cannot be read by offset; "
+            "re-pack it as a plain .tar (e.g. gunzip it)",
+            url=spec,
+        )
+    if lower.endswith(".tar"):
+        return "tar"
+    if lower.endswith((".parquet", ".pq")):
+        return "parquet"
+    return None
+
+
+def _missing(fs: Any, paths: list[str]) -> set[str]:
+    """Paths that do not exist: one listing per parent folder, then exists() for what it lacks."""
+    listed: set[str] = set()
+    if len(paths) > 1:  # brace lists: one listing per folder instead of one request per shard
+        for parent in {posixpath.dirname(p) for p in paths}:
+            try:
+                listed.update(fs._strip_protocol(p) for p in fs.ls(parent, detail=False))
+            except OSError:
+                pass
+    return {p for p in paths if p not in listed and not fs.exists(p)}
+
+
+def _glob(spec: str, url: str, fs: Any, pattern: str) -> dict[str, SourceKind]:
+    """Sorted matches of a glob that are shards; other files are skipped with a warning."""
+    matches = fs.glob(pattern, detail=True)
+    if not matches:
+        raise SourceError(f"{spec}: the pattern {url} matches nothing", url=spec)
+    found: dict[str, SourceKind] = {}
+    for match, info in sorted(matches.items()):
+        kind = _kind_by_name(match, spec) or ("folder" if info.get("type") == "directory" else None)
+        if kind is None:
+            logger.warning("%s: skipping %s: neither a .tar, a .parquet/.pq file nor a folder", spec, match)
+        else:
+            found[match] = kind
+    if not found:
+        raise SourceError(f"{spec}: the pattern {url} matches no .tar, .parquet/.pq file or folder", url=spec)
+    return found
+
+
+def _resolve(spec: str, urls: list[str]) -> list[ShardSpec]:
+    """Turn the brace-expanded URLs of one spec into shards: globs listed, plain paths checked."""
+    parsed = []
+    for url in urls:
+        chain, sep, target = url.rpartition("::")
+        fs, path = url_to_fs(target)
+        local = isinstance(fs, LocalFileSystem) and not chain  # local paths are kept as plain absolute paths
+        parsed.append((url, chain + sep, "://" in target and not local, fs, path, any(c in path for c in "*?[")))
+    by_fs: dict[int, tuple[Any, list[str]]] = {}
+    for _, _, _, fs, path, is_glob in parsed:
+        if not is_glob and _kind_by_name(path, spec) is not None:
+            by_fs.setdefault(id(fs), (fs, []))[1].append(path)
+    missing = {(id(fs), p) for fs, paths in by_fs.values() for p in _missing(fs, paths)}
+    shards: list[ShardSpec] = []
+    for url, prefix, explicit, fs, path, is_glob in parsed:
+        if is_glob:
+            found = _glob(spec, url, fs, path)
+        else:
+            kind = _kind_by_name(path, spec) or ("folder" if fs.isdir(path) else None)
+            if (id(fs), path) in missing or (kind is None and not fs.exists(path)):
+                raise SourceError(f"{spec}: {url} does not exist", url=spec)
+            if kind is None:
+                raise SourceError(f"{spec}: {url} is neither a .tar, a .parquet/.pq file nor a folder", url=spec)
+            found = {path: kind}
+        shards.extend(ShardSpec(prefix + (fs.unstrip_protocol(p) if explicit else p), k) for p, k in found.items())
+    return shards
+
+
+def expand_sources(specs: Sequence[str]) -> list[ShardSpec]:
+    """Expand fsspec URLs, brace lists (``{000..099}``) and globs into shards, first occurrence kept.
+
+    Local paths (and ``file://`` URLs) become absolute paths; other URLs keep their protocol
+    (and ``::`` chain) prefix; glob matches are sorted. WebDataset's ``${NAME}`` substitution
+    from ``WDS_NAME`` applies. Raises SourceError naming the spec for a missing path, a
+    pattern matching nothing or a compressed tar.
+    """
+    if isinstance(specs, str):
+        raise TypeError("expand_sources takes a list of URLs, not one string")
+    from webdataset.shardlists import expand_urls  # webdataset imports torch: only when expanding
+
+    shards: dict[str, ShardSpec] = {}
+    for spec in specs:
+        try:  # expand_urls also splits on '::', which fsspec uses to chain filesystems: protect it
+            urls = [u.replace("\0", "::") for u in expand_urls(spec.replace("::", "\0"))]
+        except (AssertionError, ValueError) as exc:
+            raise SourceError(f"{spec}: cannot expand ({exc})", url=spec) from exc
+        for shard in _resolve(spec, urls):
+            shards.setdefault(shard.url, shard)
+    return list(shards.values())
+
+
+def escapes_root(name: str) -> bool:
+    """Whether a member path is empty, absolute or has a '..' component (would leave its root)."""
+    return not name or name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/")
+
+
+def cell_bytes(column: pa.ChunkedArray) -> list[bytes | None]:
+    """A Parquet column's cells as field bytes: binary as is, strings UTF-8, anything else as JSON."""
+    if any(getattr(pa.types, f"is_{name}", lambda _: False)(column.type) for name in _BINARY_TYPES):
+        return column.to_pylist()
+    if any(getattr(pa.types, f"is_{name}", lambda _: False)(column.type) for name in _STRING_TYPES):
+        return [None if v is None else v.encode("utf-8") for v in column.to_pylist()]
+    return [None if v is None else json.dumps(v, default=str).encode("utf-8") for v in column.to_pylist()]
+
+
+_TRANSIENT = (ConnectionError, TimeoutError)
+
+
+def as_source_error(exc: Exception, kind: str, where: str, url: str, fix: str) -> SourceError | None:
+    """The SourceError for a missing or malformed source, or None (with a note added) for a
+    storage error the caller may retry."""
+    if isinstance(exc, FileNotFoundError):
+        return SourceError(f"{where}: not found ({exc}); {fix}", url=url)
+    if isinstance(exc, (PermissionError, IsADirectoryError, NotADirectoryError)):
+        return SourceError(f"{where}: {exc}; check the URL and its permissions", url=url)
+    if isinstance(exc, (tarfile.TarError, EOFError)):
+        return SourceError(f"{where}: truncated or corrupt tar ({exc}); {RECREATE_SHARD}", url=url)
+    if kind == "parquet" and not isinstance(exc, _TRANSIENT):  # pyarrow reports corrupt files as OSError too
+        return SourceError(f"{where}: unreadable Parquet file ({exc}); re-write it, then re-index", url=url)
+    exc.add_note(f"source={where}")
+    return None
+
+
+def _read_parquet_cell(url: str, field: FieldLocation, row_group: int, row: int) -> bytes | None:
+    if row_group < 0 or row < 0:
+        raise ValueError(f"{url}: reading Parquet field {field.name!r} needs row_group= and row=")
+    fs, path = url_to_fs(url)
+    with fs.open(path, "rb") as f:
+        table = pq.ParquetFile(f).read_row_group(row_group, columns=[field.member])
+    if table.num_columns != 1 or row >= table.num_rows:
+        return None
+    return cell_bytes(table.column(0).slice(row, 1))[0]
+
+
+def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, row: int = -1) -> bytes:
+    """Read one field's bytes by its index location: a ranged read of a tar member, one folder
+    file, or one Parquet cell (only that row group's column chunk is read).
+
+    Raises SourceError naming the URL and member when the data is gone, short or changed;
+    connection errors and timeouts propagate (with a note) for the caller to retry.
+    """
+    url, member = shard.url, field.member
+    where = f"{url}: member {member!r} (field {field.name!r})"
+    reindex = "the source changed since it was indexed: restore it or re-run `omnifeed index`"
+    try:
+        if shard.kind == "tar":
+            if field.offset < 0:
+                raise ValueError(f"{where}: a tar field needs a data offset, got {field.offset}")
+            fs, path = url_to_fs(url)
+            data = fs.cat_file(path, start=field.offset, end=field.offset + field.size)
+        elif shard.kind == "folder":
+            if escapes_root(member):
+                raise SourceError(f"{where}: the member path escapes the folder; re-run `omnifeed index`", url=url)
+            fs, root = url_to_fs(url)
+            data = fs.cat_file(f"{root.rstrip('/')}/{member}")
+        elif shard.kind == "parquet":
+            cell = _read_parquet_cell(url, field, row_group, row)
+            if cell is None:
+                raise SourceError(f"{where}: no value at row group {row_group} row {row}; {reindex}", url=url)
+            data = cell
+        else:
+            raise ValueError(f"unknown shard kind {shard.kind!r}")
+    except (OSError, pa.ArrowException) as exc:
+        error = as_source_error(exc, shard.kind, where, url, reindex)
+        if error is None:
+            raise
+        raise error from exc
+    if len(data) != field.size:
+        raise SourceError(f"{where}: truncated or changed: expected {field.size} bytes at offset {field.offset}, "
+                          f"got {len(data)}; {reindex}", url=url)
+    return data

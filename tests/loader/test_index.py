@@ -1,0 +1,162 @@
+"""Building and opening the index: contents, lengths, fingerprints, partitions, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import xxhash
+
+from omnifeed.loader import IndexConfig, IndexFormatError, SampleIndex, SourceError, build_index, read_field
+
+
+@pytest.fixture(scope="module")
+def tar_index(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> SampleIndex:
+    out = tmp_path_factory.mktemp("tar-index") / "index"
+    build_index([str(p) for p in demo_shards], out, IndexConfig(partitions=4, workers=2), progress=False)
+    return SampleIndex(out)
+
+
+def _truth_by_key(demo_truth: list) -> dict:
+    return {s.key: s for s in demo_truth}
+
+
+def test_manifest_counts_samples_and_states_length_statistics(tar_index: SampleIndex, demo_truth: list) -> None:
+    manifest = json.loads((tar_index.path / "manifest.json").read_text())
+    assert manifest["num_samples"] == len(demo_truth) == tar_index.num_samples
+    assert isinstance(manifest["fingerprint"], str) and manifest["fingerprint"] == tar_index.fingerprint
+    has_video = sum(1 for s in demo_truth if "mp4" in s.fields)
+    assert manifest["modalities"]["video"] == has_video
+    assert manifest["lengths"]["video_frames"]["count"] == has_video
+    assert {"min", "max", "mean", "p50", "p90", "p99"} <= set(manifest["lengths"]["text_tokens"])
+
+
+def test_rows_are_partitioned_by_key_hash_and_sorted(tar_index: SampleIndex) -> None:
+    start = 0
+    for p, part in enumerate(tar_index.manifest["partitions"]):
+        keys = tar_index.keys(np.arange(start, start + part["rows"]))
+        assert keys == sorted(keys)
+        assert all(xxhash.xxh64_intdigest(k.encode()) % 4 == p for k in keys)
+        assert (tar_index.path / part["file"]).is_file()
+        start += part["rows"]
+    assert start == tar_index.num_samples
+
+
+def test_lengths_match_what_was_generated(tar_index: SampleIndex, demo_truth: list) -> None:
+    truth = _truth_by_key(demo_truth)
+    for position in range(tar_index.num_samples):
+        sample = tar_index.sample(position)
+        expected = truth[sample.key]
+        lengths = sample.lengths
+        if expected.kind == "image":
+            assert (lengths.image_width, lengths.image_height) == (expected.width, expected.height)
+        if expected.kind == "video":
+            assert (lengths.video_frames, lengths.video_width, lengths.video_height) == (
+                expected.frames, expected.width, expected.height)
+            assert lengths.video_fps == pytest.approx(expected.fps)
+        if expected.kind == "audio":
+            assert lengths.audio_sample_rate == expected.sample_rate
+            assert lengths.audio_seconds == pytest.approx(expected.seconds, abs=0.05)
+        assert lengths.text_tokens > 0
+
+
+@pytest.mark.parametrize("layout", ["tar", "parquet", "folder"])
+def test_every_field_reads_back_by_its_index_location(
+    layout: str, demo_shards: list[Path], demo_parquet: Path, demo_folder: Path, demo_truth: list, tmp_path: Path
+) -> None:
+    sources = {"tar": [str(p) for p in demo_shards], "parquet": [str(demo_parquet)], "folder": [str(demo_folder)]}[layout]
+    report = build_index(sources, tmp_path / "index", IndexConfig(partitions=3, workers=1), progress=False)
+    assert report.ok, report.errors
+    index, truth = SampleIndex(report.path), _truth_by_key(demo_truth)
+    stem = lambda key: key.rsplit("/", 1)[-1]  # noqa: E731  folder keys keep their subfolder, as in WebDataset
+    assert sorted(stem(k) for k in index.keys(np.arange(index.num_samples))) == sorted(truth)
+    for position in range(index.num_samples):
+        sample = index.sample(position)
+        expected = truth[stem(sample.key)]
+        assert {f.name for f in sample.fields} == set(expected.fields)
+        for field in sample.fields:
+            data = read_field(sample.shard, field, row_group=sample.row_group, row=sample.row)
+            assert data == expected.fields[field.name], (sample.key, field.name)
+
+
+def test_fingerprint_is_reproducible_and_follows_content(demo_shards: list[Path], tmp_path: Path) -> None:
+    sources = [str(p) for p in demo_shards]
+    one = build_index(sources, tmp_path / "a", IndexConfig(workers=1), progress=False)
+    two = build_index(sources, tmp_path / "b", IndexConfig(workers=2), progress=False)
+    assert one.fingerprint == two.fingerprint
+    changed = tmp_path / "changed"
+    shutil.copytree(demo_shards[0].parent, changed)
+    sample = SampleIndex(one.path).sample(0)
+    field = next(f for f in sample.fields if f.modality == "text")
+    first_shard = next(i for i, p in enumerate(demo_shards) if str(p) == sample.shard.url)
+    shard = changed / demo_shards[first_shard].name
+    data = bytearray(shard.read_bytes())
+    data[field.offset] ^= 0x01  # one flipped bit inside a text member: same sizes, other content
+    shard.write_bytes(bytes(data))
+    moved = [str(changed / p.name) for p in demo_shards]
+    three = build_index(moved, tmp_path / "c", IndexConfig(workers=1), progress=False)
+    assert three.fingerprint != one.fingerprint
+    assert build_index(sources, tmp_path / "d", IndexConfig(tokenizer="bytes"), progress=False).fingerprint != one.fingerprint
+
+
+def test_a_bad_shard_is_named_and_the_rest_still_indexed(demo_shards: list[Path], tmp_path: Path) -> None:
+    bad = tmp_path / "broken.tar"
+    bad.write_bytes(b"this is not a tar archive" * 40)
+    report = build_index([str(p) for p in demo_shards] + [str(bad)], tmp_path / "index", IndexConfig(), progress=False)
+    assert not report.ok
+    assert [e["source"] for e in report.errors] == [str(bad)]
+    assert "broken.tar" in report.errors[0]["error"]
+    assert report.num_samples == SampleIndex(report.path).num_samples > 0
+    assert SampleIndex(report.path).manifest["errors"] == report.errors
+
+
+def test_a_key_in_two_shards_is_refused_naming_both_files(demo_shards: list[Path], tmp_path: Path) -> None:
+    copy = tmp_path / "copy.tar"
+    shutil.copy(demo_shards[0], copy)
+    report = build_index([str(demo_shards[0]), str(copy)], tmp_path / "index", IndexConfig(), progress=False)
+    index = SampleIndex(report.path)
+    assert index.num_samples == len(report.errors) > 0, "each duplicated key reported once, the first kept"
+    error = report.errors[0]
+    assert str(copy) in error["error"] and str(demo_shards[0]) in error["error"] and error["key"] in error["error"]
+
+
+def test_nothing_to_index_is_an_error_and_writes_nothing(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="nothing-here"):
+        build_index([str(tmp_path / "nothing-here-*.tar")], tmp_path / "index", progress=False)
+    assert not (tmp_path / "index").exists()
+
+
+def test_opening_maps_the_index_instead_of_reading_it(tar_index: SampleIndex) -> None:
+    before = pa.total_allocated_bytes()
+    index = SampleIndex(tar_index.path)
+    assert pa.total_allocated_bytes() - before < 64 * 1024, "rows are memory-mapped, not copied"
+    assert index.keys([0, 1]) == tar_index.keys([0, 1])
+
+
+def test_missing_arrow_copies_are_rebuilt_from_parquet(tar_index: SampleIndex, tmp_path: Path) -> None:
+    copy = tmp_path / "index"
+    shutil.copytree(tar_index.path, copy, ignore=shutil.ignore_patterns("*.arrow"))
+    reopened = SampleIndex(copy)
+    assert reopened.keys(np.arange(reopened.num_samples)) == tar_index.keys(np.arange(tar_index.num_samples))
+
+
+def test_a_directory_that_is_not_an_index_says_so(tmp_path: Path) -> None:
+    with pytest.raises(IndexFormatError, match="omnifeed index"):
+        SampleIndex(tmp_path)
+
+
+def test_positions_of_unknown_keys_are_minus_one(tar_index: SampleIndex) -> None:
+    keys = tar_index.keys([3, 1])
+    assert tar_index.positions_of(keys + ["no-such-key"]).tolist() == [3, 1, -1]
+
+
+def test_by_shard_order_lists_each_shard_in_member_order(tar_index: SampleIndex, demo_shards: list[Path]) -> None:
+    starts = np.concatenate([[0], np.cumsum(tar_index.shard_sizes)])
+    first_shard = tar_index.by_shard[starts[0]:starts[1]]
+    offsets = [tar_index.sample(int(p)).fields[0].offset for p in first_shard]
+    assert offsets == sorted(offsets)
+    assert {tar_index.sample(int(p)).shard.url for p in first_shard} == {str(demo_shards[0])}

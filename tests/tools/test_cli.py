@@ -1,0 +1,111 @@
+"""The `omnifeed` command line as a user runs it: real subprocesses, real files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+OMNIFEED = [str(Path(sys.executable).with_name("omnifeed"))]
+
+
+def run(*args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([*OMNIFEED, *args], capture_output=True, text=True, input=stdin, timeout=300)
+    if check and result.returncode != 0:
+        raise AssertionError(f"omnifeed {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+    return result
+
+
+@pytest.fixture(scope="module")
+def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cli") / "index"
+    pattern = str(demo_shards[0]).replace("0000", f"{{0000..{len(demo_shards) - 1:04d}}}")
+    result = run("index", pattern, "--out", str(out), "--partitions", "3", "--workers", "2", "--no-progress")
+    summary = json.loads(result.stdout)
+    assert summary["samples"] > 0 and summary["shards"] == len(demo_shards) and summary["errors"] == 0
+    return out
+
+
+def records(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def test_plan_prints_one_line_per_micro_batch_until_the_epoch_is_delivered(index_dir: Path) -> None:
+    lines = records(run("plan", str(index_dir), "--seed", "1", "--world-size", "3", "--batch-size", "4").stdout)
+    assert {"epoch", "step", "rank", "keys"} <= set(lines[0])
+    per_step = Counter(r["step"] for r in lines)
+    assert set(per_step.values()) == {3}, "every step gives each of the 3 ranks a micro-batch"
+    keys = [k for r in lines if r["epoch"] == 0 for k in r["keys"]]
+    manifest = json.loads((index_dir / "manifest.json").read_text())
+    assert len(keys) == len(set(keys)) == manifest["num_samples"]
+
+
+def test_resume_at_another_world_size_then_verify_exactly_once(index_dir: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state.json"
+    first = run("plan", str(index_dir), "--seed", "7", "--world-size", "4", "--batch-size", "2",
+                "--steps", "3", "--save-state", str(state)).stdout
+    second = run("plan", str(index_dir), "--world-size", "3", "--resume", str(state)).stdout
+    assert [r["step"] for r in records(second)][0] == 3, "steps continue across resumes"
+    log = tmp_path / "delivery.jsonl"
+    log.write_text(first + second)
+    report = json.loads(run("verify", "--index", str(index_dir), "--epoch", "0", str(log)).stdout)
+    assert report["ok"] and report["duplicates"] == report["missing"] == 0
+    assert report["delivered"] == report["samples"]
+
+
+def test_resume_equals_an_uninterrupted_run(index_dir: Path, tmp_path: Path) -> None:
+    base = ["plan", str(index_dir), "--seed", "3", "--world-size", "2", "--grad-accum", "2", "--batch-size", "3"]
+    whole = records(run(*base, "--steps", "6").stdout)
+    state = tmp_path / "s.json"
+    head = records(run(*base, "--steps", "2", "--save-state", str(state)).stdout)
+    tail = records(run(*base, "--steps", "4", "--resume", str(state)).stdout)
+    assert head + tail == whole
+
+
+def test_verify_fails_on_a_duplicate_or_a_missing_sample(index_dir: Path, tmp_path: Path) -> None:
+    lines = run("plan", str(index_dir), "--seed", "2", "--world-size", "2").stdout.splitlines()
+    duplicated = tmp_path / "dup.jsonl"
+    duplicated.write_text("\n".join(lines + lines[:1]) + "\n")
+    result = run("verify", "--index", str(index_dir), "--epoch", "0", str(duplicated), check=False)
+    assert result.returncode == 1 and json.loads(result.stdout)["duplicates"] > 0
+    result = run("verify", "--index", str(index_dir), "--epoch", "0", "-", check=False, stdin="\n".join(lines[1:]))
+    assert result.returncode == 1 and json.loads(result.stdout)["missing"] > 0
+
+
+def test_a_state_from_another_index_is_refused_naming_both_fingerprints(
+    index_dir: Path, demo_shards: list[Path], tmp_path: Path
+) -> None:
+    other = tmp_path / "other"
+    run("index", str(demo_shards[0]), "--out", str(other), "--no-progress")
+    state = tmp_path / "state.json"
+    run("plan", str(other), "--seed", "0", "--world-size", "2", "--steps", "1", "--save-state", str(state))
+    result = run("plan", str(index_dir), "--world-size", "2", "--resume", str(state), check=False)
+    assert result.returncode == 1
+    mine = json.loads((index_dir / "manifest.json").read_text())["fingerprint"]
+    theirs = json.loads((other / "manifest.json").read_text())["fingerprint"]
+    assert mine in result.stderr and theirs in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_index_exits_nonzero_naming_a_bad_shard_and_keeps_the_rest(demo_shards: list[Path], tmp_path: Path) -> None:
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(b"\0garbage" * 100)
+    result = run("index", str(demo_shards[0]), str(bad), "--out", str(tmp_path / "index"), "--no-progress", check=False)
+    assert result.returncode == 1
+    assert str(bad) in result.stderr
+    assert json.loads(result.stdout)["samples"] > 0
+
+
+def test_errors_are_one_line_with_nonzero_exit(tmp_path: Path) -> None:
+    result = run("plan", str(tmp_path), "--world-size", "2", check=False)
+    assert result.returncode == 1
+    assert result.stderr.startswith("omnifeed: error:") and "omnifeed index" in result.stderr
+
+
+def test_demo_runs_end_to_end_and_verifies(tmp_path: Path) -> None:
+    result = run("demo", "--out", str(tmp_path / "demo"), "--samples", "48")
+    assert "OK: every sample of epoch 0 delivered exactly once" in result.stdout

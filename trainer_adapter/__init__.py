@@ -1,0 +1,1 @@
+"""omnifeed.trainer_adapter."""
