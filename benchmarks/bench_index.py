@@ -1,6 +1,6 @@
 """Index build and index open, measured side by side with the naive alternative.
 
-    python benchmarks/bench_index.py [--rows 1000000] [--open-rows 10000000] [--scan-samples 480]
+    python benchmarks/bench_index.py [--rows 1000000] [--open-rows 10000000] [--scan-samples 1920]
 
 1. build: write an index from ``--rows`` generated rows (the partition/sort/write stage of
    ``omnifeed index``; scanning real media is measured separately in 3).
@@ -137,7 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--open-rows", type=int, default=10_000_000)
-    parser.add_argument("--scan-samples", type=int, default=480)
+    parser.add_argument("--scan-samples", type=int, default=1920)
     parser.add_argument("--work", type=Path, default=HERE / "_work")
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)

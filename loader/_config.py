@@ -38,6 +38,14 @@ class IndexConfig(_Model):
     )
     key_column: str = Field("__key__", description="Parquet column holding the sample key.")
 
+    @field_validator("tokenizer")
+    @classmethod
+    def _known_tokenizer(cls, value: str) -> str:
+        from ._text import make_token_counter
+
+        make_token_counter(value)  # raises ValueError naming the choices
+        return value
+
     @field_validator("modalities")
     @classmethod
     def _known_modalities(cls, value: dict[str, str]) -> dict[str, str]:

@@ -22,3 +22,11 @@ class IndexFormatError(OmnifeedError):
 
 class StateMismatchError(OmnifeedError):
     """A saved plan state does not belong to this index or this batching config."""
+
+
+def add_context(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` (``BaseException.add_note`` on Python 3.11+, ``__notes__`` before)."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)
+    else:  # Python 3.10: keep the note where 3.11 tracebacks and tools look for it
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]

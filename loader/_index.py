@@ -99,6 +99,7 @@ class SampleIndex:
         self.num_samples: int = int(self.manifest["num_samples"])
         self.fingerprint: str = str(self.manifest["fingerprint"])
         self._rows = self._map_partitions()
+        self._chunk_starts = np.cumsum([0] + [len(c) for c in self._rows["key"].chunks], dtype=np.int64)
         shards = pq.read_table(self.path / SHARDS)
         self.shards: list[ShardSpec] = [
             ShardSpec(url=u, kind=k) for u, k in zip(shards["url"].to_pylist(), shards["kind"].to_pylist())
@@ -125,7 +126,27 @@ class SampleIndex:
 
     def keys(self, positions: np.ndarray | list[int]) -> list[str]:
         """Sample keys at the given positions, in that order."""
-        return self._rows["key"].take(pa.array(np.asarray(positions, dtype=np.int64))).to_pylist()
+        return self._take("key", positions).to_pylist()
+
+    def _take(self, name: str, positions: np.ndarray | list[int]) -> pa.Array:
+        """One column at ``positions``, chunk by chunk: ``ChunkedArray.take`` would first copy the
+        whole mapped column into memory."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
+            raise IndexError(f"positions outside the index's {self.num_samples} samples")
+        column = self._rows[name]
+        chunk_of = np.searchsorted(self._chunk_starts, positions, side="right") - 1
+        pieces, placed = [], []
+        for chunk in np.unique(chunk_of):
+            where = np.flatnonzero(chunk_of == chunk)
+            pieces.append(column.chunk(int(chunk)).take(pa.array(positions[where] - self._chunk_starts[chunk])))
+            placed.append(where)
+        if not pieces:
+            return pa.array([], type=column.type)
+        gathered = pa.concat_arrays(pieces)
+        back = np.empty(positions.size, dtype=np.int64)
+        back[np.concatenate(placed)] = np.arange(positions.size)
+        return gathered.take(pa.array(back))
 
     def column(self, name: str) -> np.ndarray:
         """A whole per-sample column (e.g. a length column) as a numpy array."""

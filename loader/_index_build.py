@@ -18,8 +18,10 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -35,13 +37,14 @@ from tqdm import tqdm
 from ._config import IndexConfig
 from ._errors import OmnifeedError, SourceError
 from ._index import BY_SHARD, INDEX_FORMAT, LENGTH_COLUMNS, MANIFEST, ROW_SCHEMA, SHARDS, partition_file
-from ._records import ScannedSample, ShardSpec
+from ._records import ScannedSample, ShardScan, ShardSpec
 from ._scan import scan_shard
 from ._sources import expand_sources
 
 log = logging.getLogger(__name__)
 
 _ROW_GROUP_ROWS = 65536
+_SCAN_ATTEMPTS, _SCAN_BACKOFF_S = 3, 0.5
 _STAT_QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
 
 
@@ -66,7 +69,9 @@ def build_index(
 ) -> IndexReport:
     """Scan ``sources`` and write the index to ``out``; shards that fail are reported and left out.
 
-    Raises ``SourceError`` when no sample at all could be indexed.
+    With ``config.workers > 1`` shards are scanned in worker processes (multiprocessing
+    ``forkserver``), so a script calling this needs the usual ``if __name__ == "__main__":``
+    guard. Raises ``SourceError`` when no sample at all could be indexed.
     """
     config = config or IndexConfig()
     out = Path(out)
@@ -135,19 +140,46 @@ def _scan_all(shards: list[ShardSpec], config: IndexConfig) -> Iterator[tuple[in
     if config.workers == 1 or len(shards) == 1:
         yield from map(_scan_job, jobs)
         return
-    with ProcessPoolExecutor(max_workers=min(config.workers, len(shards)), mp_context=get_context("spawn")) as pool:
-        yield from pool.map(_scan_job, jobs)
+    # forkserver: workers fork from a clean server that imported the scanner once (no threads
+    # inherited from this process, unlike fork; no per-worker imports, unlike spawn)
+    context = get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    try:
+        with ProcessPoolExecutor(max_workers=min(config.workers, len(shards)), mp_context=context) as pool:
+            yield from pool.map(_scan_job, jobs)
+    except BrokenProcessPool as exc:
+        raise OmnifeedError(
+            "a scan worker process died (killed, out of memory, or crashed in a decoder); "
+            "re-run with --workers 1 to see which shard, and check the machine's memory"
+        ) from exc
 
 
 def _scan_job(job: tuple[int, ShardSpec, IndexConfig]) -> tuple[int, pa.Table, int, str | None]:
     shard_id, shard, config = job
     try:
-        scan = scan_shard(shard, config)
+        scan = _scan_with_retries(shard, config)
         return shard_id, _rows_of(shard_id, shard, scan.samples), scan.size_bytes, None
     except OmnifeedError as exc:
         return shard_id, ROW_SCHEMA.empty_table(), 0, str(exc)
+    except (ConnectionError, TimeoutError) as exc:
+        return shard_id, ROW_SCHEMA.empty_table(), 0, (
+            f"{shard.url}: storage error after {_SCAN_ATTEMPTS} attempts ({type(exc).__name__}: {exc}); "
+            "check the storage and re-run `omnifeed index`")
     except Exception as exc:  # a malformed file can make a third-party parser fail any way it likes
         return shard_id, ROW_SCHEMA.empty_table(), 0, f"{shard.url}: unexpected {type(exc).__name__}: {exc}"
+
+
+def _scan_with_retries(shard: ShardSpec, config: IndexConfig) -> ShardScan:
+    """Scan a shard, retrying storage errors that may pass (connection errors, time-outs) with backoff."""
+    for attempt in range(_SCAN_ATTEMPTS):
+        try:
+            return scan_shard(shard, config)
+        except (ConnectionError, TimeoutError) as exc:
+            if attempt + 1 == _SCAN_ATTEMPTS:
+                raise
+            log.warning("%s: %s; retrying (%d/%d)", shard.url, exc, attempt + 1, _SCAN_ATTEMPTS - 1)
+            time.sleep(_SCAN_BACKOFF_S * 2**attempt)
+    raise AssertionError("unreachable")
 
 
 def _rows_of(shard_id: int, shard: ShardSpec, samples: list[ScannedSample]) -> pa.Table:

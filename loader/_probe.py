@@ -21,7 +21,7 @@ from typing import Any, BinaryIO, TypeVar
 import av
 from PIL import Image
 
-from ._errors import SourceError
+from ._errors import SourceError, add_context
 from ._records import FieldLocation, SampleLengths
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ def _probe_field(
             key=key,
         ) from exc
     except Exception as exc:
-        exc.add_note(f"field={location.name} member={location.member} key={key} source={url}")
+        add_context(exc, f"field={location.name} member={location.member} key={key} source={url}")
         raise
     finally:
         fileobj.close()

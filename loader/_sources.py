@@ -28,11 +28,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+from braceexpand import braceexpand
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from ._config import IndexConfig
-from ._errors import SourceError
+from ._errors import SourceError, add_context
 from ._records import FieldLocation, ShardSpec, SourceKind
 
 logger = logging.getLogger(__name__)
@@ -119,19 +120,18 @@ def expand_sources(specs: Sequence[str]) -> list[ShardSpec]:
     """Expand fsspec URLs, brace lists (``{000..099}``) and globs into shards, first occurrence kept.
 
     Local paths (and ``file://`` URLs) become absolute paths; other URLs keep their protocol
-    (and ``::`` chain) prefix; glob matches are sorted. WebDataset's ``${NAME}`` substitution
-    from ``WDS_NAME`` applies. Raises SourceError naming the spec for a missing path, a
-    pattern matching nothing or a compressed tar.
+    (and ``::`` chain) prefix; glob matches are sorted. Braces expand as in WebDataset (its
+    ``expand_urls`` is ``braceexpand`` plus ``WDS_*`` environment substitution, which omnifeed
+    leaves out: no environment variables change what is read). Raises SourceError naming the
+    spec for a missing path, a pattern matching nothing or a compressed tar.
     """
     if isinstance(specs, str):
         raise TypeError("expand_sources takes a list of URLs, not one string")
-    from webdataset.shardlists import expand_urls  # webdataset imports torch: only when expanding
-
     shards: dict[str, ShardSpec] = {}
     for spec in specs:
-        try:  # expand_urls also splits on '::', which fsspec uses to chain filesystems: protect it
-            urls = [u.replace("\0", "::") for u in expand_urls(spec.replace("::", "\0"))]
-        except (AssertionError, ValueError) as exc:
+        try:
+            urls = list(braceexpand(spec))
+        except ValueError as exc:
             raise SourceError(f"{spec}: cannot expand ({exc})", url=spec) from exc
         for shard in _resolve(spec, urls):
             shards.setdefault(shard.url, shard)
@@ -166,7 +166,7 @@ def as_source_error(exc: Exception, kind: str, where: str, url: str, fix: str) -
         return SourceError(f"{where}: truncated or corrupt tar ({exc}); {RECREATE_SHARD}", url=url)
     if kind == "parquet" and not isinstance(exc, _TRANSIENT):  # pyarrow reports corrupt files as OSError too
         return SourceError(f"{where}: unreadable Parquet file ({exc}); re-write it, then re-index", url=url)
-    exc.add_note(f"source={where}")
+    add_context(exc, f"source={where}")
     return None
 
 

@@ -50,11 +50,17 @@ def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None) -> 
     say(f"{report.num_samples} samples, fingerprint {report.fingerprint}")
     _lengths_table(say, index.manifest)
 
-    say.title("3. Random access by index location")
-    sample = index.sample(0)
-    for field in sample.fields:
-        size = len(read_field(sample.shard, field, row_group=sample.row_group, row=sample.row))
-        say(f"{sample.key}.{field.name:<5} {field.modality:<6} {size:>7} bytes at offset {field.offset} of {sample.shard.url}")
+    say.title("3. Random access by index location (one ranged read per field)")
+    for modality in ("image", "video", "audio"):
+        position = next((p for p in range(index.num_samples)
+                         if any(f.modality == modality for f in index.sample(p).fields)), None)
+        if position is None:
+            continue
+        sample = index.sample(position)
+        field = next(f for f in sample.fields if f.modality == modality)
+        data = read_field(sample.shard, field, row_group=sample.row_group, row=sample.row)
+        say(f"{sample.key}.{field.name:<5} {len(data):>7} bytes at offset {field.offset:>8} of "
+            f"{Path(sample.shard.url).name}  {_describe(sample.lengths, modality)}")
 
     say.title("4. Plan: 4 ranks -> save state -> resume at 3 ranks -> grow to 6")
     plan = Plan.from_index(index, PlanConfig(seed=0, batch_size=4))
@@ -71,6 +77,8 @@ def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None) -> 
                 step = cursor.next_step()
                 for record in delivery_records(step, plan, index):
                     log.write(json.dumps(record) + "\n")
+                    if dealt == 0 and record["rank"] < 2:
+                        say(f"  step {record['step']} rank {record['rank']}: {', '.join(record['keys'])}")
                 dealt += 1
             state = cursor.state_dict()
             encoded = json.dumps(state)
@@ -88,12 +96,20 @@ def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None) -> 
     return 0 if coverage.ok else 1
 
 
+def _describe(lengths: Any, modality: str) -> str:
+    if modality == "image":
+        return f"{lengths.image_width}x{lengths.image_height} px"
+    if modality == "video":
+        return f"{lengths.video_frames} frames at {lengths.video_fps:g} fps, {lengths.video_width}x{lengths.video_height}"
+    return f"{lengths.audio_seconds:.2f} s at {lengths.audio_sample_rate} Hz"
+
+
 def _lengths_table(say: _Reporter, manifest: dict[str, Any]) -> None:
     counts = manifest["modalities"]
     say("samples with: " + ", ".join(f"{m} {counts[m]}" for m in ("text", "image", "video", "audio")))
-    say(f"{'length':<18}{'min':>9}{'p50':>9}{'p90':>9}{'max':>9}")
+    say(f"{'length':<18}{'min':>10}{'p50':>10}{'p90':>10}{'max':>10}")
     for name, stats in manifest["lengths"].items():
-        say(f"{name:<18}" + "".join(f"{stats[k]:>9.4g}" for k in ("min", "p50", "p90", "max")))
+        say(f"{name:<18}" + "".join(f"{stats[k]:>10.5g}" for k in ("min", "p50", "p90", "max")))
 
 
 class _Reporter:

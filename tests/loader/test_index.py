@@ -160,3 +160,44 @@ def test_by_shard_order_lists_each_shard_in_member_order(tar_index: SampleIndex,
     offsets = [tar_index.sample(int(p)).fields[0].offset for p in first_shard]
     assert offsets == sorted(offsets)
     assert {tar_index.sample(int(p)).shard.url for p in first_shard} == {str(demo_shards[0])}
+
+
+class _FlakyMemoryFS:
+    """Builds an fsspec memory filesystem whose opens fail with ConnectionError a set number of times."""
+
+    @staticmethod
+    def register(failures: int) -> None:
+        import fsspec
+        from fsspec.implementations.memory import MemoryFileSystem
+
+        class FlakyMemoryFileSystem(MemoryFileSystem):
+            protocol = ("flaky",)
+            remaining = failures
+
+            @classmethod
+            def _strip_protocol(cls, path):  # noqa: ANN001, ANN206
+                return super()._strip_protocol(str(path).removeprefix("flaky://"))
+
+            def _open(self, path, mode="rb", **kwargs):  # noqa: ANN001, ANN202
+                if mode == "rb" and FlakyMemoryFileSystem.remaining > 0:
+                    FlakyMemoryFileSystem.remaining -= 1
+                    raise ConnectionError(f"injected storage error reading {path}")
+                return super()._open(path, mode, **kwargs)
+
+        fsspec.register_implementation("flaky", FlakyMemoryFileSystem, clobber=True)
+
+
+@pytest.mark.parametrize("failures,indexed", [(2, True), (3, False)])
+def test_storage_errors_are_retried_then_reported(demo_shards: list[Path], tmp_path: Path, failures: int, indexed: bool) -> None:
+    import fsspec
+
+    _FlakyMemoryFS.register(failures)
+    url = f"flaky://{tmp_path.name}/shard.tar"
+    with fsspec.open(url, "wb") as f:
+        f.write(demo_shards[0].read_bytes())
+    if indexed:  # two failures, three attempts: indexed
+        report = build_index([url], tmp_path / "index", IndexConfig(workers=1), progress=False)
+        assert report.ok and report.num_samples > 0
+    else:
+        with pytest.raises(SourceError, match="storage error after 3 attempts.*injected storage error"):
+            build_index([url], tmp_path / "index", IndexConfig(workers=1), progress=False)

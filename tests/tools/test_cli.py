@@ -109,3 +109,20 @@ def test_errors_are_one_line_with_nonzero_exit(tmp_path: Path) -> None:
 def test_demo_runs_end_to_end_and_verifies(tmp_path: Path) -> None:
     result = run("demo", "--out", str(tmp_path / "demo"), "--samples", "48")
     assert "OK: every sample of epoch 0 delivered exactly once" in result.stdout
+
+
+@pytest.mark.parametrize("shuffle", ["shard_block", "none"])
+def test_every_shuffle_mode_delivers_exactly_once_across_a_resize(index_dir: Path, tmp_path: Path, shuffle: str) -> None:
+    state, log = tmp_path / "state.json", tmp_path / "log.jsonl"
+    head = run("plan", str(index_dir), "--seed", "4", "--world-size", "2", "--shuffle", shuffle,
+               "--shards-per-window", "1", "--batch-size", "5", "--steps", "2", "--save-state", str(state)).stdout
+    tail = run("plan", str(index_dir), "--world-size", "5", "--resume", str(state)).stdout
+    log.write_text(head + tail)
+    assert json.loads(run("verify", "--index", str(index_dir), "--epoch", "0", str(log)).stdout)["ok"]
+
+
+def test_a_malformed_log_line_is_named_by_file_and_line(index_dir: Path, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    log.write_text('{"epoch": 0, "step": 0, "rank": 0, "keys": []}\nnot json\n')
+    result = run("verify", "--index", str(index_dir), "--epoch", "0", str(log), check=False)
+    assert result.returncode == 1 and f"{log}:2" in result.stderr
