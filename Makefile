@@ -18,6 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/omnifeed demo
 
 test: $(STAMP)
+	$(PY) -m mypy
 	$(PY) -m pytest
 
 bench: $(STAMP)

@@ -25,10 +25,10 @@ class _Model(BaseModel):
 class IndexConfig(_Model):
     """How `omnifeed index` scans sources and writes the index."""
 
-    partitions: int = Field(16, ge=1, le=1024, description="Parquet partitions, by hash of the sample key.")
-    workers: int = Field(2, ge=1, le=1024, description="Processes scanning shards in parallel.")
+    partitions: int = Field(default=16, ge=1, le=1024, description="Parquet partitions, by hash of the sample key.")
+    workers: int = Field(default=2, ge=1, le=1024, description="Processes scanning shards in parallel.")
     tokenizer: str = Field(
-        "regex",
+        default="regex",
         description="Text length measure: 'regex' (words and punctuation), 'whitespace', "
         "'bytes' (UTF-8 bytes), or 'module:function' returning a count or a token list.",
     )
@@ -36,7 +36,7 @@ class IndexConfig(_Model):
         default_factory=dict,
         description="Field name (lower-case extension, e.g. 'cap') -> modality; overrides the defaults.",
     )
-    key_column: str = Field("__key__", description="Parquet column holding the sample key.")
+    key_column: str = Field(default="__key__", description="Parquet column holding the sample key.")
 
     @field_validator("tokenizer")
     @classmethod
@@ -68,17 +68,17 @@ class IndexConfig(_Model):
 class PlanConfig(_Model):
     """What fixes the global micro-batch sequence (with the index fingerprint and the epoch)."""
 
-    seed: int = Field(0, ge=0, lt=2**63, description="Shuffle seed.")
-    batch_size: int = Field(8, ge=1, description="Samples per micro-batch.")
+    seed: int = Field(default=0, ge=0, lt=2**63, description="Shuffle seed.")
+    batch_size: int = Field(default=8, ge=1, description="Samples per micro-batch.")
     shuffle: Literal["permutation", "shard_block", "none"] = Field(
-        "permutation",
+        default="permutation",
         description="'permutation': keyed pseudo-random permutation of all samples; "
         "'shard_block': shuffled shard order, shuffled within windows of shards (sequential reads); "
         "'none': index order.",
     )
-    shards_per_window: int = Field(4, ge=1, description="Shards per shuffle window in 'shard_block' mode.")
+    shards_per_window: int = Field(default=4, ge=1, description="Shards per shuffle window in 'shard_block' mode.")
     drop_last: bool = Field(
-        False,
+        default=False,
         description="Drop each epoch's last, short micro-batch (its samples are reported, never silently lost).",
     )
 

@@ -80,8 +80,11 @@ def _scan_tar(shard: ShardSpec, config: IndexConfig, count: _Counter) -> ShardSc
     seen: set[str] = set()
     key, items = "", list[tuple[FieldLocation, bytes]]()  # the sample being collected
     with fs.open(path, "rb") as f:
-        if _COMPRESSED_MAGIC.match(f.read(10)):
+        first = f.read(tarfile.BLOCKSIZE)
+        if _COMPRESSED_MAGIC.match(first):
             raise SourceError(f"{url}: compressed data, which cannot be read by offset; re-pack as plain .tar", url=url)
+        if len(first) == tarfile.BLOCKSIZE and first.count(0) == tarfile.BLOCKSIZE:
+            return scan  # only an end marker: an empty archive (Python 3.10's stream reader fails on it)
         f.seek(0)
         with tarfile.open(fileobj=f, mode="r|") as tar:
             while (info := tar.next()) is not None:
