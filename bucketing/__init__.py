@@ -1,1 +1,34 @@
-"""omnifeed.bucketing."""
+"""omnifeed.bucketing: per-stream cost, bucket edges, packing and batch metrics (pure, no I/O)."""
+
+from ._assemble import Assembled, OverBudgetError, assemble_budget, assemble_fixed
+from ._buckets import assign_buckets, choose_bucket_streams, estimate_boundaries, num_cells
+from ._config import BucketingConfig
+from ._cost import INDEX_COLUMNS, STREAMS, CostModel, padded_cost, sample_costs, stream_lengths
+from ._metrics import balance, costliest, pack_padding_fraction, padding_fraction
+from ._pack import OverlongSampleError, Pack, Segment, pack_window
+
+__all__ = [
+    "INDEX_COLUMNS",
+    "STREAMS",
+    "Assembled",
+    "BucketingConfig",
+    "CostModel",
+    "OverBudgetError",
+    "OverlongSampleError",
+    "Pack",
+    "Segment",
+    "assemble_budget",
+    "assemble_fixed",
+    "assign_buckets",
+    "balance",
+    "choose_bucket_streams",
+    "costliest",
+    "estimate_boundaries",
+    "num_cells",
+    "pack_padding_fraction",
+    "pack_window",
+    "padded_cost",
+    "padding_fraction",
+    "sample_costs",
+    "stream_lengths",
+]

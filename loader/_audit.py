@@ -18,21 +18,26 @@ import numpy as np
 from ._cursor import Step
 from ._errors import OmnifeedError
 from ._index import SampleIndex
-from ._plan import Plan
 
 _EXAMPLES = 5
 
 
-def delivery_records(step: Step, plan: Plan, index: SampleIndex, ranks: Iterable[int] | None = None) -> Iterator[dict[str, Any]]:
-    """The records of one step, rank by rank and accumulation micro-step by micro-step."""
+def delivery_records(step: Step, index: SampleIndex, ranks: Iterable[int] | None = None) -> Iterator[dict[str, Any]]:
+    """The records of one step, rank by rank and accumulation micro-step by micro-step.
+
+    In packing mode a record also has ``segments``: the ``[start, stop)`` token range of each
+    key in the pack (a sample longer than a pack is split across several records).
+    """
     for rank in range(step.world_size) if ranks is None else ranks:
-        for accum, global_index in enumerate(step.global_indices(rank)):
-            mb = plan.micro_batch(global_index)
-            yield {
+        for accum, mb in enumerate(step.for_rank(rank)):
+            record = {
                 "epoch": mb.epoch, "step": step.step, "rank": rank, "accum": accum,
-                "micro_batch": mb.index, "world_size": step.world_size,
-                "topology_version": step.topology_version, "keys": index.keys(mb.positions),
+                "micro_batch": mb.index, "window": mb.window, "world_size": step.world_size,
+                "topology_version": step.topology_version, "cost": mb.cost, "keys": index.keys(mb.positions),
             }
+            if mb.pack is not None:
+                record["segments"] = [[s.start, s.stop] for s in mb.pack.segments]
+            yield record
 
 
 def read_delivery_logs(paths: Iterable[str | Path], stdin: IO[str] | None = None) -> Iterator[dict[str, Any]]:
@@ -58,7 +63,11 @@ def read_delivery_logs(paths: Iterable[str | Path], stdin: IO[str] | None = None
 
 @dataclass
 class CoverageReport:
-    """How an epoch's samples were delivered: each exactly once is the only passing outcome."""
+    """How an epoch's samples were delivered: each exactly once is the only passing outcome.
+
+    ``partial`` counts samples split across packs whose segments do not tile ``[0, end)``
+    (a gap or an overlap); a split sample whose segments tile counts as delivered once.
+    """
 
     epoch: int
     samples: int
@@ -67,12 +76,14 @@ class CoverageReport:
     duplicates: int
     missing: int
     unknown: int
+    partial: int = 0
     examples: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
         """True when every sample of the epoch was delivered exactly once and nothing else was."""
-        return self.duplicates == 0 and self.missing == 0 and self.unknown == 0 and self.delivered == self.samples
+        return (self.duplicates == 0 and self.missing == 0 and self.unknown == 0 and self.partial == 0
+                and self.delivered == self.samples)
 
     def to_json(self) -> dict[str, Any]:
         """The report as a JSON-ready dict, with ``ok``."""
@@ -82,9 +93,20 @@ class CoverageReport:
 def verify_coverage(index: SampleIndex, epoch: int, records: Iterable[dict[str, Any]]) -> CoverageReport:
     """Check that the records deliver every sample of ``epoch`` exactly once."""
     keys: list[str] = []
+    segments: dict[str, list[tuple[int, int]]] = {}
     for record in records:
-        if int(record["epoch"]) == epoch:
+        if int(record["epoch"]) != epoch:
+            continue
+        if "segments" not in record:
             keys.extend(record["keys"])
+            continue
+        for key, (start, stop) in zip(record["keys"], record["segments"]):
+            segments.setdefault(key, []).append((int(start), int(stop)))
+    partial = 0
+    for key, pieces in segments.items():
+        pieces.sort()
+        keys.extend(key for start, _ in pieces if start == 0)  # each full pass over a sample counts once
+        partial += any(b[0] != a[1] for a, b in zip(pieces, pieces[1:])) or pieces[0][0] != 0
     positions = index.positions_of(keys) if keys else np.empty(0, dtype=np.int64)
     known = positions >= 0
     counts = np.bincount(positions[known], minlength=index.num_samples)
@@ -93,6 +115,7 @@ def verify_coverage(index: SampleIndex, epoch: int, records: Iterable[dict[str, 
     return CoverageReport(
         epoch=epoch, samples=index.num_samples, delivered=len(keys), unique=int((counts > 0).sum()),
         duplicates=int((counts[repeated] - 1).sum()), missing=int(absent.size), unknown=len(unknown_keys),
+        partial=partial,
         examples={
             "duplicated": index.keys(repeated[:_EXAMPLES]), "missing": index.keys(absent[:_EXAMPLES]),
             "unknown": unknown_keys[:_EXAMPLES],

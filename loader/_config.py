@@ -9,6 +9,8 @@ from typing import Any, Literal
 import xxhash
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from omnifeed.bucketing import BucketingConfig
+
 _DEFAULT_EXTENSIONS: dict[str, str] = {
     **dict.fromkeys(("jpg", "jpeg", "png", "webp"), "image"),
     **dict.fromkeys(("mp4", "webm", "mkv", "avi", "mov"), "video"),
@@ -77,14 +79,29 @@ class PlanConfig(_Model):
         "'none': index order.",
     )
     shards_per_window: int = Field(default=4, ge=1, description="Shards per shuffle window in 'shard_block' mode.")
+    window_size: int | None = Field(
+        default=None, ge=1,
+        description="Samples per window of the shuffled stream (not in 'shard_block' mode, where a window is "
+        "shards_per_window shards): micro-batches are formed window by window, and resuming computes one window. "
+        "Default: 64 micro-batches for fixed-size batches, 65536 samples with bucketing (it needs hundreds of "
+        "micro-batches per window to fill them tightly).",
+    )
+    bucketing: BucketingConfig | None = Field(
+        default=None, description="Length-bucketed, cost-budgeted micro-batches or packing instead of batch_size."
+    )
     drop_last: bool = Field(
         default=False,
-        description="Drop each epoch's last, short micro-batch (its samples are reported, never silently lost).",
+        description="Drop each epoch's last, short micro-batch (its samples are reported, never silently lost); "
+        "fixed-size batches only.",
     )
 
     def fingerprint(self) -> str:
         """Stable hash of every setting that changes the micro-batch sequence."""
-        payload = json.dumps(self.model_dump(), sort_keys=True)
+        values = self.model_dump()
+        if self.bucketing is not None:  # the memory-feedback bounds steer budgets; the cursor records each
+            values["bucketing"] = {k: v for k, v in values["bucketing"].items()
+                                   if k not in ("min_budget", "max_budget", "target_headroom")}
+        payload = json.dumps(values, sort_keys=True)
         return xxhash.xxh3_64_hexdigest(payload.encode())
 
 

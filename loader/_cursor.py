@@ -1,16 +1,17 @@
 """The cursor: the whole data state of a run, and how steps are dealt to data-parallel ranks.
 
-A step at world size ``W`` with ``A`` gradient-accumulation micro-steps takes the
-next ``W * A`` micro-batches of the plan. Accumulation micro-step ``a`` of rank
-``r`` gets global micro-batch ``first + a * W + r``, so every accumulation
-micro-step is ``W`` consecutive micro-batches (balanced when micro-batches cost
-the same). The cursor is a handful of integers: resuming, at the same or another
-world size, costs the work of the next micro-batch, never a replay.
+A step at world size ``W`` with ``A`` gradient-accumulation micro-steps takes the next
+``W * A`` micro-batches of the plan. Accumulation micro-step ``a`` of rank ``r`` gets the
+step's micro-batch ``a * W + r``, so every accumulation micro-step is ``W`` consecutive
+micro-batches (balanced when micro-batches cost the same). The cursor is a handful of
+numbers: resuming, at the same or another world size, computes one window, never a replay.
 
-State keys (``state_dict``): ``format``, ``index_fingerprint``,
-``config_fingerprint``, ``topology_version``, ``world_size``, ``grad_accum``,
-``step`` (steps dealt since training began), ``epoch`` and ``micro_batch`` (the
-next micro-batch to deal: its epoch and its place in that epoch).
+State keys (``state_dict``): ``format``, ``index_fingerprint``, ``config_fingerprint``,
+``topology_version``, ``world_size``, ``grad_accum``, ``step`` (steps dealt since training
+began); the next micro-batch to deal: ``epoch``, ``window``, ``window_start`` (the window's
+first stream offset), ``offset`` (its place in the window), ``micro_batch`` (its place in
+the epoch); and ``budget``/``next_budget`` (the cost budget of this window and of the
+windows after it, changed by memory feedback; ``null`` for fixed-size batches).
 """
 
 from __future__ import annotations
@@ -20,35 +21,31 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import StateMismatchError
-from ._plan import Plan
+from ._plan import MicroBatch, Plan, WindowPlan
 
 STATE_FORMAT = "omnifeed.plan-state/1"
 _STATE_KEYS = frozenset(
     {"format", "index_fingerprint", "config_fingerprint", "topology_version", "world_size", "grad_accum",
-     "step", "epoch", "micro_batch"}
+     "step", "epoch", "window", "window_start", "offset", "micro_batch", "budget", "next_budget"}
 )
+_COUNTERS = ("topology_version", "step", "epoch", "window", "window_start", "offset", "micro_batch", "world_size", "grad_accum")
 
 
 @dataclass(frozen=True)
 class Step:
-    """One training step: which global micro-batches each rank receives."""
+    """One training step: the ``W × A`` micro-batches it deals, in dealing order."""
 
     step: int
     world_size: int
     grad_accum: int
     topology_version: int
-    first: int
+    micro_batches: tuple[MicroBatch, ...]
 
-    def global_indices(self, rank: int) -> list[int]:
-        """Global micro-batch indices of ``rank``, one per accumulation micro-step, in order."""
+    def for_rank(self, rank: int) -> list[MicroBatch]:
+        """The micro-batches of ``rank``, one per accumulation micro-step, in order."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
-        return [self.first + a * self.world_size + rank for a in range(self.grad_accum)]
-
-    @property
-    def stop(self) -> int:
-        """Global index just past this step's last micro-batch."""
-        return self.first + self.world_size * self.grad_accum
+        return [self.micro_batches[a * self.world_size + rank] for a in range(self.grad_accum)]
 
 
 def _check_positive(name: str, value: int) -> int:
@@ -68,23 +65,48 @@ class PlanCursor:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         self.topology_version = 0
         self.step = 0
-        self.next_global = plan.global_index(epoch, 0)
-
-    @property
-    def epoch(self) -> int:
-        """Epoch of the next micro-batch to deal."""
-        return self.plan.locate(self.next_global)[0]
+        self.epoch, self.window, self.window_start, self.offset, self.micro_batch = epoch, 0, 0, 0, 0
+        self.budget = self.next_budget = plan.budget
+        self._current: WindowPlan | None = None
 
     def epoch_delivered(self, epoch: int) -> bool:
         """True once every micro-batch of ``epoch`` has been dealt."""
-        return self.next_global >= self.plan.global_index(epoch + 1, 0)
+        return self.epoch > epoch
 
     def next_step(self) -> Step:
         """Deal the next step at the current topology and advance past it."""
-        step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, self.next_global)
-        self.next_global = step.stop
+        dealt = tuple(self._next_micro_batch() for _ in range(self.world_size * self.grad_accum))
+        step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, dealt)
         self.step += 1
         return step
+
+    def _window_plan(self) -> WindowPlan:
+        if self._current is None:
+            self._current = self.plan.window(
+                self.epoch, self.window, self.window_start, budget=self.budget, first_index=self.micro_batch - self.offset
+            )
+        return self._current
+
+    def _next_micro_batch(self) -> MicroBatch:
+        current = self._window_plan()
+        while self.offset >= len(current.micro_batches):  # a window left empty by its predecessor's borrowing
+            self._advance(current)
+            current = self._window_plan()
+        micro_batch = current.micro_batches[self.offset]
+        self.offset += 1
+        self.micro_batch += 1
+        if self.offset == len(current.micro_batches):
+            self._advance(current)
+        return micro_batch
+
+    def _advance(self, current: WindowPlan) -> None:
+        if current.last:
+            self.epoch, self.window, self.window_start, self.micro_batch = self.epoch + 1, 0, 0, 0
+        else:
+            self.window, self.window_start = self.window + 1, current.next_start
+        self.offset = 0
+        self.budget = self.next_budget
+        self._current = None
 
     def resize(self, world_size: int, grad_accum: int | None = None) -> bool:
         """Deal later steps to ``world_size`` ranks (and ``grad_accum``); True if the topology changed."""
@@ -96,9 +118,26 @@ class PlanCursor:
         self.topology_version += 1
         return True
 
+    def report_headroom(self, headroom: float) -> float | None:
+        """Memory feedback: the fraction of accelerator memory left free at the last step's peak.
+
+        Steers the budget of the windows after the current one toward the configured target
+        headroom, within the configured bounds, and returns it (None for fixed-size batches).
+        Report the same value on every rank (e.g. the minimum over ranks), or ranks disagree.
+        """
+        bucketing = self.plan.bucketing
+        if bucketing is None or self.next_budget is None:
+            return None
+        if not 0.0 <= headroom <= 1.0:
+            raise ValueError(f"headroom is a fraction of memory in [0, 1], got {headroom}")
+        low, high = bucketing.bounds
+        # Used memory scales with the budget: aim for (1 - target) of memory in use.
+        scale = (1.0 - bucketing.target_headroom) / max(1.0 - headroom, 1e-6)
+        self.next_budget = float(min(high, max(low, round(self.next_budget * min(scale, 1.25), 6))))
+        return self.next_budget
+
     def state_dict(self) -> dict[str, Any]:
         """The whole data state: a small JSON-serializable dict of constant size."""
-        epoch, micro_batch = self.plan.locate(self.next_global)
         return {
             "format": STATE_FORMAT,
             "index_fingerprint": self.plan.index_fingerprint,
@@ -107,8 +146,13 @@ class PlanCursor:
             "world_size": self.world_size,
             "grad_accum": self.grad_accum,
             "step": self.step,
-            "epoch": epoch,
-            "micro_batch": micro_batch,
+            "epoch": self.epoch,
+            "window": self.window,
+            "window_start": self.window_start,
+            "offset": self.offset,
+            "micro_batch": self.micro_batch,
+            "budget": self.budget,
+            "next_budget": self.next_budget,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -131,17 +175,19 @@ class PlanCursor:
                     f"state {what} {state[what]} != {mine}. Resume with the index and plan config the state "
                     "was saved with, or start a new run without the state"
                 )
-        for name in ("topology_version", "step", "epoch", "micro_batch", "world_size", "grad_accum"):
+        for name in _COUNTERS:
             value = state[name]
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"plan state {name} must be a non-negative integer, got {value!r}")
-        if state["micro_batch"] >= self.plan.micro_batches_per_epoch:
-            raise ValueError(
-                f"plan state micro_batch {state['micro_batch']} outside the epoch's "
-                f"{self.plan.micro_batches_per_epoch} micro-batches"
-            )
-        self.step = state["step"]
-        self.next_global = self.plan.global_index(state["epoch"], state["micro_batch"])
+        if state["window_start"] > self.plan.num_samples or state["offset"] > state["micro_batch"]:
+            raise ValueError("plan state position is outside this index; was it edited by hand?")
+        for name in ("budget", "next_budget"):
+            if (state[name] is None) != (self.plan.budget is None):
+                raise ValueError(f"plan state {name} {state[name]!r} does not fit this plan's batching")
+        self.step, self.epoch, self.window = state["step"], state["epoch"], state["window"]
+        self.window_start, self.offset, self.micro_batch = state["window_start"], state["offset"], state["micro_batch"]
+        self.budget, self.next_budget = state["budget"], state["next_budget"]
         self.topology_version = state["topology_version"]
+        self._current = None
         if (state["world_size"], state["grad_accum"]) != (self.world_size, self.grad_accum):
             self.topology_version += 1

@@ -128,6 +128,10 @@ class SampleIndex:
         """Sample keys at the given positions, in that order."""
         return self._take("key", positions).to_pylist()
 
+    def length_columns(self, positions: np.ndarray | list[int]) -> dict[str, np.ndarray]:
+        """The per-modality length columns at ``positions`` (read from the mapped rows, nothing else)."""
+        return {name: self._take(name, positions).to_numpy(zero_copy_only=False) for name in LENGTH_COLUMNS}
+
     def _take(self, name: str, positions: np.ndarray | list[int]) -> pa.Array:
         """One column at ``positions``, chunk by chunk: ``ChunkedArray.take`` would first copy the
         whole mapped column into memory."""

@@ -10,7 +10,7 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ from omnifeed.loader import (
     verify_coverage,
 )
 from omnifeed.loader._config import load_yaml
+from omnifeed.loader._cursor import Step
+from omnifeed.loader._plan_report import PlanReport
 from omnifeed.loader._index_build import default_workers
 
 __version__ = "0.1.0"
@@ -79,6 +81,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--shuffle", choices=["permutation", "shard_block", "none"])
     plan.add_argument("--shards-per-window", type=int)
     plan.add_argument("--drop-last", action="store_true", default=None)
+    plan.add_argument("--window-size", type=int, help="samples per window (default 4096)")
+    plan.add_argument("--budget", type=float, help="cost budget per micro-batch: length-bucketed batches instead of --batch-size")
+    plan.add_argument("--packing", action="store_true", help="with --budget: pack sequences of tokens up to the budget")
+    plan.add_argument("--overlong", choices=["reject", "alone", "split"],
+                      help="a sample over the budget: reject (error), alone (own micro-batch), split (packing)")
+    plan.add_argument("--stats", action="store_true", help="print one JSON object: padding, balance, and the same for fixed-size batches")
+    plan.add_argument("--worst", type=int, metavar="N", help="print the N costliest micro-batches (JSON lines)")
     plan.add_argument("--config", help="YAML file; its 'plan' section is a PlanConfig")
     plan.add_argument("--steps", type=int, help="steps to deal (default: until the epoch is fully delivered)")
     plan.add_argument("--resume", metavar="STATE_JSON", help="continue from a saved state (any world size)")
@@ -124,9 +133,15 @@ def _run_index(args: argparse.Namespace) -> int:
 
 def _plan_config(args: argparse.Namespace, saved: dict[str, Any] | None) -> PlanConfig:
     values = dict(saved or {}) | _section(args.config, "plan")
-    for flag in ("seed", "batch_size", "shuffle", "shards_per_window", "drop_last"):
+    for flag in ("seed", "batch_size", "shuffle", "shards_per_window", "drop_last", "window_size"):
         if getattr(args, flag) is not None:
             values[flag] = getattr(args, flag)
+    if args.budget is not None:
+        bucketing = dict(values.get("bucketing") or {}) | {"budget": args.budget}
+        values["bucketing"] = (bucketing | ({"mode": "packing"} if args.packing else {})
+                               | ({"overlong": args.overlong} if args.overlong else {}))
+    elif args.packing:
+        raise ValueError("--packing needs --budget (tokens per pack)")
     return PlanConfig(**values)
 
 
@@ -142,16 +157,51 @@ def _run_plan(args: argparse.Namespace) -> int:
         cursor.load_state_dict(saved["state"])
     target = cursor.epoch if args.epoch is None else args.epoch
     out = sys.stdout
-    dealt = 0
-    while (args.steps is None and not cursor.epoch_delivered(target)) or (args.steps is not None and dealt < args.steps):
-        for record in delivery_records(cursor.next_step(), plan, index):
-            out.write(json.dumps(record) + "\n")
-        dealt += 1
+    report = PlanReport(plan, worst=args.worst or 0) if args.stats or args.worst else None
+    for step in _steps(cursor, target, args.steps):
+        if report is None:
+            for record in delivery_records(step, index):
+                out.write(json.dumps(record) + "\n")
+        else:
+            report.add(step)
+    if report is not None and args.stats:
+        out.write(json.dumps(_stats(report, index, plan, args)) + "\n")
+    if report is not None and args.worst:
+        for row in report.costliest():
+            row["keys"] = index.keys(row.pop("positions"))
+            out.write(json.dumps(row) + "\n")
     out.flush()
     if args.save_state:
         state = {"plan": plan.config.model_dump(), "state": cursor.state_dict()}
         Path(args.save_state).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
     return 0
+
+
+def _steps(cursor: PlanCursor, epoch: int, steps: int | None) -> Iterator[Step]:
+    """``steps`` steps, or (without a count) steps until ``epoch`` is fully delivered."""
+    dealt = 0
+    while (not cursor.epoch_delivered(epoch)) if steps is None else dealt < steps:
+        yield cursor.next_step()
+        dealt += 1
+
+
+def _stats(report: PlanReport, index: SampleIndex, plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
+    """The plan's figures beside those of fixed-size batches of ``--batch-size`` over the same epoch."""
+    stats = report.stats()
+    if plan.bucketing is not None:
+        naive_config = plan.config.model_copy(update={"bucketing": None})
+        naive_plan = Plan.from_index(index, naive_config)
+        naive = PlanReport(naive_plan, cost=plan.bucketing.cost)
+        naive_cursor = PlanCursor(naive_plan, world_size=args.world_size, grad_accum=args.grad_accum, epoch=_report_epoch(args))
+        for step in _steps(naive_cursor, _report_epoch(args), args.steps):
+            naive.add(step)
+        stats["fixed_batch_size"] = {"batch_size": naive_config.batch_size, **naive.stats()}
+    return stats
+
+
+def _report_epoch(args: argparse.Namespace) -> int:
+    """The epoch a report covers: ``--epoch``, else 0."""
+    return args.epoch or 0
 
 
 def _read_state_file(path: str) -> dict[str, Any]:

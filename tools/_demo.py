@@ -64,7 +64,7 @@ def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None) -> 
 
     say.title("4. Plan: 4 ranks -> save state -> resume at 3 ranks -> grow to 6")
     plan = Plan.from_index(index, PlanConfig(seed=0, batch_size=4))
-    say(f"seed 0, batch size 4: {plan.micro_batches_per_epoch} micro-batches per epoch")
+    say(f"seed 0, batch size 4: {-(-index.num_samples // 4)} micro-batches per epoch")
     log_path = out / "delivery.jsonl"
     state: dict[str, Any] | None = None
     with log_path.open("w", encoding="utf-8") as log:
@@ -75,7 +75,7 @@ def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None) -> 
             dealt = 0
             while (dealt < steps) if steps is not None else not cursor.epoch_delivered(0):
                 step = cursor.next_step()
-                for record in delivery_records(step, plan, index):
+                for record in delivery_records(step, index):
                     log.write(json.dumps(record) + "\n")
                     if dealt == 0 and record["rank"] < 2:
                         say(f"  step {record['step']} rank {record['rank']}: {', '.join(record['keys'])}")

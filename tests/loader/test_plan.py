@@ -11,8 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omnifeed.bucketing import INDEX_COLUMNS, BucketingConfig
 from omnifeed.loader import Plan, PlanConfig, PlanCursor, StateMismatchError
 from omnifeed.loader._permutation import KeyedPermutation
+from omnifeed.loader._plan import LengthSource
 
 FP = "index-fingerprint"
 
@@ -25,21 +27,54 @@ def _shards(num_samples: int, num_shards: int) -> tuple[np.ndarray, np.ndarray]:
     return np.bincount(shard_of, minlength=num_shards), np.argsort(shard_of, kind="stable")
 
 
-def _plan(num_samples: int, num_shards: int = 7, **config: object) -> Plan:
-    cfg = PlanConfig(**config)
+def synthetic_lengths(num_samples: int) -> LengthSource:
+    """Index-like length columns with long-tailed text and a mix of images, video and audio."""
+    rng = np.random.default_rng(num_samples)
+    kind = rng.integers(0, 4, num_samples)
+    columns = {name: np.zeros(num_samples, dtype=np.float64) for name in INDEX_COLUMNS}
+    columns["text_tokens"] = np.clip(rng.lognormal(3.5, 1.0, num_samples), 1, 3000).astype(np.int64)
+    columns["image_width"] = np.where(kind == 1, rng.integers(32, 1200, num_samples), 0)
+    columns["image_height"] = np.where(kind == 1, rng.integers(32, 1200, num_samples), 0)
+    columns["audio_seconds"] = np.where(kind == 2, rng.uniform(0.5, 20, num_samples), 0)
+    return lambda positions: {name: values[positions] for name, values in columns.items()}
+
+
+def _config(batching: str, **config: object) -> PlanConfig:
+    if batching == "budget":
+        config["bucketing"] = BucketingConfig(budget=4096, num_buckets=4, lookahead=16, overlong="alone")
+    elif batching == "packing":
+        config["bucketing"] = BucketingConfig(mode="packing", budget=512, overlong="split", lookahead=16)
+    return PlanConfig(**config)
+
+
+def _plan(num_samples: int, num_shards: int = 7, batching: str = "fixed", **config: object) -> Plan:
+    cfg = _config(batching, **config)
     sizes, by_shard = _shards(num_samples, num_shards) if cfg.shuffle == "shard_block" else (None, None)
-    return Plan(num_samples, cfg, index_fingerprint=FP, shard_sizes=sizes, by_shard=by_shard)
+    lengths = synthetic_lengths(num_samples) if cfg.bucketing else None
+    return Plan(num_samples, cfg, index_fingerprint=FP, shard_sizes=sizes, by_shard=by_shard, lengths=lengths)
 
 
-def _deal(plan: Plan, cursor: PlanCursor, steps: int, out: list[tuple[int, int, int, tuple[int, ...]]]) -> None:
-    """Deal ``steps`` steps, recording (step, rank, epoch, positions) per micro-batch."""
+Delivered = list[tuple[int, int, int, tuple[int, ...], tuple[tuple[int, int], ...]]]
+
+
+def _deal(plan: Plan, cursor: PlanCursor, steps: int, out: Delivered) -> None:
+    """Deal ``steps`` steps, recording (step, rank, epoch, positions, segments) per micro-batch."""
     for _ in range(steps):
         step = cursor.next_step()
         for rank in range(step.world_size):
-            for g in step.global_indices(rank):
-                mb = plan.micro_batch(g)
+            for mb in step.for_rank(rank):
                 assert mb.positions.size > 0, "no rank ever gets an empty micro-batch"
-                out.append((step.step, rank, mb.epoch, tuple(mb.positions.tolist())))
+                segments = tuple((s.start, s.stop) for s in mb.pack.segments) if mb.pack else ()
+                out.append((step.step, rank, mb.epoch, tuple(mb.positions.tolist()), segments))
+
+
+def _epoch_positions(plan: Plan, epoch: int) -> list[int]:
+    cursor = PlanCursor(plan, epoch=epoch)
+    out: Delivered = []
+    while not cursor.epoch_delivered(epoch):
+        _deal(plan, cursor, 1, out)
+    return [p for _, _, e, positions, segments in out if e == epoch
+            for i, p in enumerate(positions) if not segments or segments[i][0] == 0]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 17, 64, 1000, 4097])
@@ -54,23 +89,21 @@ def test_keyed_permutation_depends_on_key_only() -> None:
     assert not np.array_equal(a(np.arange(1000)), KeyedPermutation(1000, [1, 3])(np.arange(1000)))
 
 
+@pytest.mark.parametrize("batching", ["fixed", "budget", "packing"])
 @pytest.mark.parametrize("shuffle", ["permutation", "shard_block", "none"])
-@pytest.mark.parametrize("num_samples,batch_size", [(1, 1), (10, 3), (97, 8), (256, 16)])
-def test_each_epoch_covers_every_sample_once(shuffle: str, num_samples: int, batch_size: int) -> None:
-    plan = _plan(num_samples, shuffle=shuffle, batch_size=batch_size, seed=3)
+@pytest.mark.parametrize("num_samples,batch_size,window_size", [(1, 1, 1), (10, 3, 4), (97, 8, 30), (256, 16, 64)])
+def test_each_epoch_covers_every_sample_once(batching: str, shuffle: str, num_samples: int, batch_size: int, window_size: int) -> None:
+    plan = _plan(num_samples, batching=batching, shuffle=shuffle, batch_size=batch_size, window_size=window_size, seed=3)
     for epoch in range(2):
-        seen = np.concatenate([plan.micro_batch(plan.global_index(epoch, j)).positions
-                               for j in range(plan.micro_batches_per_epoch)])
-        assert sorted(seen.tolist()) == list(range(num_samples))
+        assert sorted(_epoch_positions(plan, epoch)) == list(range(num_samples))
 
 
 def test_the_sequence_is_a_pure_function_of_seed_and_epoch() -> None:
     first, again = _plan(500, seed=1), _plan(500, seed=1)
     other_seed = _plan(500, seed=2)
-    seq = lambda p, e: np.concatenate([p.micro_batch(p.global_index(e, j)).positions for j in range(10)])  # noqa: E731
-    assert np.array_equal(seq(first, 0), seq(again, 0))
-    assert not np.array_equal(seq(first, 0), seq(other_seed, 0))
-    assert not np.array_equal(seq(first, 0), seq(first, 1)), "each epoch reshuffles"
+    assert _epoch_positions(first, 0) == _epoch_positions(again, 0)
+    assert _epoch_positions(first, 0) != _epoch_positions(other_seed, 0)
+    assert _epoch_positions(first, 0) != _epoch_positions(first, 1), "each epoch reshuffles"
 
 
 def test_shard_block_windows_read_few_shards_at_a_time() -> None:
@@ -92,18 +125,21 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(
     num_samples=st.integers(1, 300), batch_size=st.integers(1, 16), shuffle=st.sampled_from(["permutation", "shard_block", "none"]),
+    batching=st.sampled_from(["fixed", "budget", "packing"]), window_size=st.integers(1, 80),
     start_epoch=st.integers(0, 2), schedule=ops,
 )
 def test_any_resumes_and_resizes_deliver_each_sample_exactly_once(
-    num_samples: int, batch_size: int, shuffle: str, start_epoch: int, schedule: list[tuple[int, int, int, bool]]
+    num_samples: int, batch_size: int, shuffle: str, batching: str, window_size: int, start_epoch: int,
+    schedule: list[tuple[int, int, int, bool]],
 ) -> None:
-    plan = _plan(num_samples, shuffle=shuffle, batch_size=batch_size, seed=11)
+    config = dict(shuffle=shuffle, batch_size=batch_size, seed=11, batching=batching, window_size=window_size)
+    plan = _plan(num_samples, **config)
     cursor = PlanCursor(plan, world_size=schedule[0][0], grad_accum=schedule[0][1], epoch=start_epoch)
     delivered: list[tuple[int, int, int, tuple[int, ...]]] = []
     for world_size, grad_accum, steps, restart in schedule:
         if restart:  # a new process: fresh plan object, state through JSON, possibly another world size
             state = json.loads(json.dumps(cursor.state_dict()))
-            plan = _plan(num_samples, shuffle=shuffle, batch_size=batch_size, seed=11)
+            plan = _plan(num_samples, **config)
             cursor = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
             cursor.load_state_dict(state)
         else:
@@ -111,26 +147,30 @@ def test_any_resumes_and_resizes_deliver_each_sample_exactly_once(
         _deal(plan, cursor, steps, delivered)
     while not cursor.epoch_delivered(start_epoch):
         _deal(plan, cursor, 1, delivered)
-    counts = Counter(p for _, _, epoch, positions in delivered if epoch == start_epoch for p in positions)
+    counts = Counter(p for _, _, epoch, positions, segments in delivered if epoch == start_epoch
+                     for i, p in enumerate(positions) if not segments or segments[i][0] == 0)
     assert sorted(counts) == list(range(num_samples))
     assert set(counts.values()) == {1}
-    assert all(epoch >= start_epoch for _, _, epoch, _ in delivered)
+    assert all(epoch >= start_epoch for _, _, epoch, _, _ in delivered)
 
 
 @settings(max_examples=100, deadline=None)
 @given(num_samples=st.integers(1, 400), batch_size=st.integers(1, 12), world_size=st.integers(1, 6),
-       grad_accum=st.integers(1, 3), stop_after=st.integers(0, 20), total=st.integers(1, 30))
+       grad_accum=st.integers(1, 3), stop_after=st.integers(0, 20), total=st.integers(1, 30),
+       batching=st.sampled_from(["fixed", "budget", "packing"]), window_size=st.integers(1, 80))
 def test_a_resumed_run_emits_exactly_what_an_uninterrupted_run_would(
-    num_samples: int, batch_size: int, world_size: int, grad_accum: int, stop_after: int, total: int
+    num_samples: int, batch_size: int, world_size: int, grad_accum: int, stop_after: int, total: int,
+    batching: str, window_size: int,
 ) -> None:
+    config = dict(batch_size=batch_size, seed=5, batching=batching, window_size=window_size)
     uninterrupted: list = []
-    plan = _plan(num_samples, batch_size=batch_size, seed=5)
+    plan = _plan(num_samples, **config)
     _deal(plan, PlanCursor(plan, world_size=world_size, grad_accum=grad_accum), total, uninterrupted)
 
     resumed: list = []
     first = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
     _deal(plan, first, min(stop_after, total), resumed)
-    fresh_plan = _plan(num_samples, batch_size=batch_size, seed=5)
+    fresh_plan = _plan(num_samples, **config)
     second = PlanCursor(fresh_plan, world_size=world_size, grad_accum=grad_accum)
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     _deal(fresh_plan, second, total - min(stop_after, total), resumed)
@@ -140,16 +180,17 @@ def test_a_resumed_run_emits_exactly_what_an_uninterrupted_run_would(
 def test_the_last_step_of_an_epoch_continues_into_the_next() -> None:
     plan = _plan(10, batch_size=3)  # 4 micro-batches: 3, 3, 3, 1
     cursor = PlanCursor(plan, world_size=3)
-    delivered: list = []
+    delivered: Delivered = []
     _deal(plan, cursor, 2, delivered)
-    assert [epoch for _, _, epoch, _ in delivered] == [0, 0, 0, 0, 1, 1]
-    assert [len(p) for _, _, _, p in delivered[:4]] == [3, 3, 3, 1]
+    by_step = sorted(delivered, key=lambda d: (d[0], d[1]))
+    assert [epoch for _, _, epoch, _, _ in by_step] == [0, 0, 0, 0, 1, 1]
+    assert [len(p) for _, _, _, p, _ in by_step[:4]] == [3, 3, 3, 1]
 
 
 def test_drop_last_drops_only_the_short_tail_and_says_how_many() -> None:
     plan = _plan(10, batch_size=3, drop_last=True)
-    assert (plan.micro_batches_per_epoch, plan.dropped_per_epoch) == (3, 1)
-    seen = [p for j in range(3) for p in plan.micro_batch(j).positions.tolist()]
+    assert plan.dropped_per_epoch == 1
+    seen = _epoch_positions(plan, 0)
     assert len(seen) == len(set(seen)) == 9
     with pytest.raises(ValueError, match="drops the whole epoch"):
         _plan(2, batch_size=3, drop_last=True)
@@ -168,28 +209,27 @@ def test_state_is_the_same_small_size_for_ten_and_ten_million_samples() -> None:
     assert sizes[0] == sizes[1]
 
 
+@pytest.mark.parametrize("batching", ["fixed", "budget"])
 @pytest.mark.parametrize("shuffle", ["permutation", "shard_block"])
-def test_resuming_far_into_a_run_does_one_steps_work(shuffle: str) -> None:
+def test_resuming_far_into_a_run_does_one_windows_work(shuffle: str, batching: str) -> None:
     """Work is counted in positions computed, not timed; it must not grow with the position."""
-    num_samples, num_shards, batch_size, world_size, grad_accum = 10_000_000, 1000, 32, 8, 2
-    config = dict(shuffle=shuffle, batch_size=batch_size, seed=9, shards_per_window=1)
+    num_samples, num_shards, world_size, grad_accum = 10_000_000, 1000, 8, 2
+    config = dict(shuffle=shuffle, batching=batching, batch_size=32, seed=9, shards_per_window=1, window_size=4096)
     near = _plan(num_samples, num_shards, **config)
     start = PlanCursor(near, world_size=world_size, grad_accum=grad_accum).state_dict()
-    # far: the step straddles the end of epoch 5, so it touches two epochs and two windows
-    far = start | {"epoch": 5, "micro_batch": near.micro_batches_per_epoch - 7, "step": 10**6}
-    largest_shard = int(np.diff(near._shard_starts).max()) if shuffle == "shard_block" else 0
+    windows = near.windows_per_epoch(5)
+    # far: the last window of epoch 5, so the step runs on into epoch 6
+    far = start | {"epoch": 5, "window": windows - 1, "window_start": near._nominal_end(5, windows - 2),
+                   "micro_batch": 10**5, "step": 10**6}
+    largest_window = int(np.diff(near._shard_starts).max()) if shuffle == "shard_block" else 4096
     for state in (start, far):
         plan = _plan(num_samples, num_shards, **config)
         resumed = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
         resumed.load_state_dict(state)
-        step = resumed.next_step()
-        for rank in range(world_size):
-            for g in step.global_indices(rank):
-                plan.micro_batch(g)
-        if shuffle == "permutation":
-            assert plan.work == world_size * grad_accum * batch_size
-        else:  # one pass over the shard table per epoch touched, plus each window touched once
-            assert plan.work <= 2 * num_shards + 3 * largest_shard
+        resumed.next_step()
+        shard_tables = 2 * num_shards if shuffle == "shard_block" else 0  # one pass per epoch touched
+        lookahead = 256 if batching == "budget" else 32
+        assert plan.work <= shard_tables + 3 * (largest_window + lookahead)
 
 
 def test_a_state_from_another_index_or_config_is_refused_naming_both_fingerprints() -> None:

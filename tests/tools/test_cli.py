@@ -126,3 +126,33 @@ def test_a_malformed_log_line_is_named_by_file_and_line(index_dir: Path, tmp_pat
     log.write_text('{"epoch": 0, "step": 0, "rank": 0, "keys": []}\nnot json\n')
     result = run("verify", "--index", str(index_dir), "--epoch", "0", str(log), check=False)
     assert result.returncode == 1 and f"{log}:2" in result.stderr
+
+
+def test_budget_stats_compare_with_fixed_size_batches(index_dir: Path) -> None:
+    result = run("plan", str(index_dir), "--seed", "1", "--world-size", "2", "--budget", "60000", "--overlong", "alone", "--stats")
+    (line,) = result.stdout.splitlines()
+    stats = json.loads(line)
+    assert {"micro_batches", "padding_fraction", "balance_max_over_mean", "fixed_batch_size"} <= set(stats)
+    assert {"worst", "mean"} == set(stats["balance_max_over_mean"])
+    assert stats["fixed_batch_size"]["batch_size"] == 8
+
+
+def test_worst_lists_the_costliest_micro_batches_first(index_dir: Path) -> None:
+    rows = records(run("plan", str(index_dir), "--world-size", "2", "--budget", "60000", "--overlong", "alone", "--worst", "3").stdout)
+    assert len(rows) == 3 and [r["cost"] for r in rows] == sorted((r["cost"] for r in rows), reverse=True)
+    assert all(r["keys"] and r["longest"] for r in rows)
+
+
+@pytest.mark.parametrize("batching", [["--budget", "60000", "--overlong", "alone"], ["--budget", "300", "--packing", "--overlong", "split"]])
+def test_bucketed_and_packed_plans_resume_at_another_world_size_exactly_once(index_dir: Path, tmp_path: Path, batching: list[str]) -> None:
+    state, log = tmp_path / "state.json", tmp_path / "log.jsonl"
+    head = run("plan", str(index_dir), "--seed", "5", "--world-size", "3", *batching, "--steps", "2", "--save-state", str(state)).stdout
+    tail = run("plan", str(index_dir), "--world-size", "2", "--resume", str(state)).stdout
+    log.write_text(head + tail)
+    report = json.loads(run("verify", "--index", str(index_dir), "--epoch", "0", str(log)).stdout)
+    assert report["ok"], report
+
+
+def test_a_sample_over_the_budget_is_named_in_a_one_line_error(index_dir: Path) -> None:
+    result = run("plan", str(index_dir), "--world-size", "2", "--budget", "50", check=False)
+    assert result.returncode == 1 and "sample 'sample-" in result.stderr and "over the micro-batch budget 50" in result.stderr

@@ -1,0 +1,181 @@
+"""Micro-batches of one window: fixed-size chunks, or bucketed and filled to a cost budget.
+
+Both take the window's own samples (in stream order) and a *lookahead*: the samples that
+follow the window in the stream. Only the window's last micro-batch may borrow from the
+lookahead, a prefix of it, to fill up; the caller starts the next window after what was
+borrowed. So no sample is ever carried from one window to another and a window's
+micro-batches depend only on (its start, the stream, the budget): resuming needs one window.
+
+Budget mode, per window:
+
+1. samples go to buckets (cells of per-stream length edges); within a bucket, shortest
+   first, a micro-batch takes the next sample while its padded cost stays within budget;
+2. each bucket's last, partly filled micro-batch is a *leftover*; leftovers are pooled,
+   sorted by modality mix, then cost (similar samples meet) and filled the same way;
+3. the last of those borrows from the lookahead while it fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from ._cost import CostModel, sample_costs
+
+
+class OverBudgetError(ValueError):
+    """One sample alone costs more than the micro-batch budget."""
+
+    def __init__(self, position: int, cost: float, budget: float) -> None:
+        super().__init__(
+            f"sample at position {position} costs {cost:g} alone, over the micro-batch budget {budget:g}; "
+            "raise the budget, set overlong='alone', or drop the sample from the dataset"
+        )
+        self.position, self.cost, self.budget = position, cost, budget
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """A window's micro-batches (positions), their padded costs, and how much lookahead they took."""
+
+    batches: list[np.ndarray]
+    costs: list[float]
+    consumed: int
+
+
+class _Batch:
+    """A micro-batch being filled: its members and running per-stream maxima."""
+
+    def __init__(self, streams: int) -> None:
+        self.members: list[int] = []
+        self.longest = [0.0] * streams
+
+    def cost_with(self, row: list[float], model: _Weights) -> float:
+        n = len(self.members) + 1
+        return sum(
+            w * n * (m + model.quadratic * m * m)
+            for w, m in zip(model.weights, (max(a, b) for a, b in zip(self.longest, row)))
+        )
+
+    def cost(self, model: _Weights) -> float:
+        n = len(self.members)
+        return sum(w * n * (m + model.quadratic * m * m) for w, m in zip(model.weights, self.longest))
+
+    def add(self, position: int, row: list[float]) -> None:
+        self.members.append(position)
+        self.longest = [max(a, b) for a, b in zip(self.longest, row)]
+
+
+@dataclass(frozen=True)
+class _Weights:
+    weights: list[float]
+    quadratic: float
+
+
+class _Filler:
+    """Greedy filling under (budget, max size); emits closed micro-batches."""
+
+    def __init__(self, budget: float, max_size: int | None, weights: _Weights, streams: int,
+                 overlong: Literal["reject", "alone"]) -> None:
+        self.budget, self.max_size, self.weights, self.streams, self.overlong = budget, max_size, weights, streams, overlong
+        self.done: list[tuple[list[int], float]] = []
+        self.open = _Batch(streams)
+
+    def fits(self, row: list[float]) -> bool:
+        if self.max_size is not None and len(self.open.members) >= self.max_size:
+            return False
+        return self.open.cost_with(row, self.weights) <= self.budget
+
+    def offer(self, position: int, row: list[float]) -> None:
+        """Add to the open micro-batch, closing it first when the sample does not fit."""
+        if not self.fits(row) and self.open.members:
+            self.close()
+        if not self.fits(row):  # alone, it is over budget
+            alone = _Batch(self.streams)
+            alone.add(position, row)
+            if self.overlong == "reject":
+                raise OverBudgetError(position, alone.cost(self.weights), self.budget)
+            self.done.append((alone.members, alone.cost(self.weights)))
+            return
+        self.open.add(position, row)
+
+    def close(self) -> None:
+        if self.open.members:
+            self.done.append((self.open.members, self.open.cost(self.weights)))
+        self.open = _Batch(self.streams)
+
+
+def _rows(lengths: Mapping[str, np.ndarray], streams: list[str]) -> list[list[float]]:
+    return np.stack([lengths[s].astype(np.float64) for s in streams], axis=1).tolist() if streams else []
+
+
+def _fill_buckets(
+    filler: _Filler, rows: list[list[float]], buckets: np.ndarray, costs: np.ndarray, streams: int
+) -> tuple[_Filler, list[int]]:
+    """Fill each bucket shortest first; each bucket's partly filled last micro-batch becomes leftovers."""
+    leftovers: list[int] = []
+    for bucket in np.unique(buckets).tolist():
+        members = np.flatnonzero(buckets == bucket)
+        for i in members[np.argsort(costs[members], kind="stable")].tolist():
+            filler.offer(i, rows[i])
+        leftovers.extend(filler.open.members)
+        filler.open = _Batch(streams)
+    return filler, leftovers
+
+
+def assemble_budget(
+    positions: np.ndarray,
+    lengths: Mapping[str, np.ndarray],
+    buckets: np.ndarray,
+    budget: float,
+    model: CostModel,
+    *,
+    max_batch_size: int | None = None,
+    overlong: Literal["reject", "alone"] = "reject",
+    lookahead_positions: np.ndarray | None = None,
+    lookahead_lengths: Mapping[str, np.ndarray] | None = None,
+) -> Assembled:
+    """Bucket, fill to ``budget`` and borrow from the lookahead; ``lengths``/``buckets`` align with ``positions``."""
+    streams = [s for s in lengths if model.weight(s) > 0]
+    weights = _Weights([model.weight(s) for s in streams], model.quadratic)
+    rows = _rows(lengths, streams)
+    filler = _Filler(budget, max_batch_size, weights, len(streams), overlong)
+    costs = sample_costs({s: lengths[s] for s in streams}, model)
+    try:
+        filler, leftovers = _fill_buckets(filler, rows, buckets, costs, len(streams))
+    except OverBudgetError as exc:  # name the sample by its position, not its place in the window
+        raise OverBudgetError(int(positions[exc.position]), exc.cost, exc.budget) from None
+    # leftovers meet by modality mix first (no rows of pure padding), then by cost
+    present = np.zeros(len(leftovers), dtype=np.int64)
+    for bit, stream in enumerate(streams):
+        present |= (lengths[stream][leftovers] > 0).astype(np.int64) << bit
+    by_cost = np.lexsort([costs[leftovers], present]) if leftovers else np.zeros(0, dtype=np.int64)
+    for k in by_cost.tolist():
+        filler.offer(leftovers[k], rows[leftovers[k]])
+    consumed = 0
+    if lookahead_positions is not None and lookahead_lengths is not None and filler.open.members:
+        extra = _rows(lookahead_lengths, streams)
+        while consumed < len(extra) and filler.fits(extra[consumed]):
+            filler.open.add(len(rows) + consumed, extra[consumed])
+            consumed += 1
+    filler.close()
+    pool = np.concatenate([positions, lookahead_positions[:consumed]]) if lookahead_positions is not None else positions
+    return Assembled(
+        batches=[pool[np.asarray(members, dtype=np.int64)] for members, _ in filler.done],
+        costs=[cost for _, cost in filler.done],
+        consumed=consumed,
+    )
+
+
+def assemble_fixed(positions: np.ndarray, batch_size: int, lookahead_positions: np.ndarray | None = None) -> Assembled:
+    """Consecutive chunks of ``batch_size``; a short last chunk is topped up from the lookahead."""
+    short = len(positions) % batch_size
+    consumed = 0
+    if short and lookahead_positions is not None:
+        consumed = min(batch_size - short, len(lookahead_positions))
+        positions = np.concatenate([positions, lookahead_positions[:consumed]])
+    batches = [positions[i : i + batch_size] for i in range(0, len(positions), batch_size)]
+    return Assembled(batches=batches, costs=[float(len(b)) for b in batches], consumed=consumed)

@@ -1,0 +1,65 @@
+"""Window assembly: budgets hold, every sample lands once, borrowing takes a prefix of the lookahead."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omnifeed.bucketing import CostModel, OverBudgetError, assemble_budget, assemble_fixed, assign_buckets, padded_cost
+
+MODEL = CostModel(quadratic=0.001)
+
+
+def _lengths(text: list[int], image: list[int]) -> dict[str, np.ndarray]:
+    return {"text": np.asarray(text, dtype=np.int64), "image": np.asarray(image, dtype=np.int64)}
+
+
+samples = st.lists(st.tuples(st.integers(0, 400), st.integers(0, 300)), min_size=0, max_size=120)
+
+
+@settings(max_examples=200, deadline=None)
+@given(own=samples, look=samples, budget=st.floats(800, 20000), max_size=st.one_of(st.none(), st.integers(1, 40)))
+def test_budgets_hold_and_every_sample_lands_once(own, look, budget, max_size) -> None:
+    own = [(t, i) for t, i in own if t + i > 0] or [(1, 0)]
+    lengths = _lengths([t for t, _ in own], [i for _, i in own])
+    look_lengths = _lengths([t for t, _ in look], [i for _, i in look])
+    positions, look_positions = np.arange(len(own)) * 10, 10_000 + np.arange(len(look))
+    edges = {"text": np.array([20.0, 100.0]), "image": np.array([50.0])}
+    result = assemble_budget(positions, lengths, assign_buckets(lengths, edges), budget, MODEL, max_batch_size=max_size,
+                             overlong="alone", lookahead_positions=look_positions, lookahead_lengths=look_lengths)
+    delivered = np.concatenate(result.batches)
+    assert sorted(delivered.tolist()) == sorted(positions.tolist() + look_positions[: result.consumed].tolist())
+    by_position = {p: (t, i) for p, (t, i) in zip(positions.tolist() + look_positions.tolist(), own + look)}
+    for batch, cost in zip(result.batches, result.costs):
+        rows = [by_position[p] for p in batch.tolist()]
+        expected = padded_cost(_lengths([t for t, _ in rows], [i for _, i in rows]), MODEL)
+        assert cost == pytest.approx(expected)
+        assert cost <= budget * (1 + 1e-9) or len(batch) == 1, "only a sample over budget alone may exceed it"
+        assert max_size is None or len(batch) <= max_size
+
+
+def test_an_over_budget_sample_is_rejected_naming_its_position() -> None:
+    lengths = _lengths([10, 5000, 10], [0, 0, 0])
+    with pytest.raises(OverBudgetError) as err:
+        assemble_budget(np.array([7, 8, 9]), lengths, np.zeros(3, dtype=np.int64), 1000, MODEL)
+    assert err.value.position == 8 and "8" in str(err.value)
+
+
+def test_similar_lengths_share_micro_batches() -> None:
+    rng = np.random.default_rng(0)
+    text = np.concatenate([rng.integers(10, 20, 200), rng.integers(900, 1000, 20)])
+    lengths = {"text": rng.permutation(text)}
+    edges = {"text": np.array([100.0])}
+    result = assemble_budget(np.arange(len(text)), lengths, assign_buckets(lengths, edges), 4000, CostModel())
+    for batch in result.batches:
+        values = lengths["text"][batch]
+        assert values.max() < 100 or values.min() >= 900, "short and long samples are not padded together"
+
+
+def test_fixed_chunks_top_up_only_the_last_from_the_lookahead() -> None:
+    result = assemble_fixed(np.arange(10), 4, lookahead_positions=np.arange(100, 110))
+    assert [b.tolist() for b in result.batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 100, 101]]
+    assert result.consumed == 2
+    assert assemble_fixed(np.arange(8), 4, np.arange(100, 110)).consumed == 0
