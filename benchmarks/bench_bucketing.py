@@ -70,14 +70,14 @@ def main() -> None:
     results = {}
     for kind in ("text", "multimodal"):
         columns = lengths(args.samples, kind)
-        budgeted = PlanConfig(seed=0, window_size=16384, bucketing=BucketingConfig(budget=args.budget, cost=cost, overlong="alone"))
+        budgeted = PlanConfig(seed=0, bucketing=BucketingConfig(budget=args.budget, cost=cost, overlong="alone"))
         bucketed = run(columns, budgeted, args.world_size, cost)
         mean_samples = bucketed["samples"] / bucketed["micro_batches"]
-        fixed = run(columns, PlanConfig(seed=0, window_size=16384, batch_size=max(1, round(mean_samples))), args.world_size, cost)
+        fixed = run(columns, PlanConfig(seed=0, batch_size=max(1, round(mean_samples))), args.world_size, cost)
         results[kind] = {"fixed": fixed, "bucketed": bucketed}
         if kind == "text":
             packing = BucketingConfig(mode="packing", budget=args.budget / 8, cost=cost, overlong="split")
-            results[kind]["packed"] = run(columns, PlanConfig(seed=0, window_size=16384, bucketing=packing), args.world_size, cost)
+            results[kind]["packed"] = run(columns, PlanConfig(seed=0, bucketing=packing), args.world_size, cost)
     print(json.dumps({"samples": args.samples, "world_size": args.world_size, "budget": args.budget, **results}, indent=1))
 
 
