@@ -1,0 +1,184 @@
+"""The feed against torch.utils.data.DataLoader on the same data and the same decode code, in one run.
+
+    python benchmarks/bench_feed.py [--images 2048] [--workers 2] [--batch-size 64]
+
+1. *decode limit*: the image decode (JPEG → RGB, short side 224, centre crop 224×224) in
+   ``--workers`` bare processes, no loader: the most any loader could reach here;
+2. ``DataLoader`` (map-style dataset over the index, ``num_workers=--workers``, batches of
+   ``--batch-size``) with Pillow decoding at full size then resizing (``draft=False``);
+3. ``Feed`` with the same decode code (``draft=False``), ``--workers`` image threads;
+4. ``Feed`` with omnifeed's image path (``draft=True``: JPEG DCT-domain downscaling);
+5. ``Feed`` over a mixed four-modality dataset (the demo generator), for per-modality figures.
+
+Each runs one epoch; reported: samples/s, CPU seconds per sample, ratio to DataLoader and
+to the decode limit. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import webdataset
+
+from omnifeed.loader import (
+    DecodeConfig,
+    Feed,
+    FeedConfig,
+    ImageDecodeConfig,
+    IndexConfig,
+    PlanConfig,
+    PoolConfig,
+    SampleIndex,
+    build_index,
+    make_decoder,
+    read_field,
+)
+from omnifeed.tools._demo_data import DemoDatasetSpec, encode_image, write_webdataset
+
+_IMAGE = dict(resize="short_side", size=224, crop="center")
+
+
+def write_images(out: Path, count: int, shards: int = 4) -> list[Path]:
+    """``count`` 640×480-ish JPEG photos-to-be in WebDataset shards."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for shard in range(shards):
+        path = out / f"images-{shard:04d}.tar"
+        with open(path, "wb") as stream, webdataset.TarWriter(stream, encoder=False, mtime=0) as sink:
+            for i in range(shard, count, shards):
+                width, height = (640, 480) if i % 3 else (500, 375)
+                sink.write({"__key__": f"img-{i:06d}", "jpg": encode_image(width, height, "jpg", seed=i),
+                            "txt": f"image {i}".encode()})
+        paths.append(path)
+    return paths
+
+
+def _cpu() -> float:
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _measure(name: str, run, samples: int) -> dict:  # noqa: ANN001
+    cpu, start = _cpu(), time.perf_counter()
+    extra = run() or {}
+    seconds = time.perf_counter() - start
+    return {"name": name, "seconds": round(seconds, 3), "samples_per_s": round(samples / seconds, 1),
+            "cpu_s_per_sample": round((_cpu() - cpu) / samples * 1e3, 3) / 1e3, **extra}
+
+
+def _decode_range(args: tuple[str, list[int], bool]) -> int:
+    index_path, positions, draft = args
+    index = SampleIndex(index_path)
+    decode = make_decoder("image", DecodeConfig(image=ImageDecodeConfig(**_IMAGE, draft=draft)))
+    for position in positions:
+        sample = index.sample(position)
+        jpg = next(f for f in sample.fields if f.name == "jpg")
+        decode(read_field(sample.shard, jpg), sample.key)
+    return len(positions)
+
+
+class IndexImages(torch.utils.data.Dataset):
+    """A map-style dataset over the index: the DataLoader's side, with the same decode code."""
+
+    def __init__(self, index_path: str, draft: bool) -> None:
+        self.index_path, self.draft = index_path, draft
+        self.index: SampleIndex | None = None
+        self.num_samples = SampleIndex(index_path).num_samples
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, position: int) -> torch.Tensor:
+        if self.index is None:  # opened in the worker, after fork
+            self.index = SampleIndex(self.index_path)
+            self.decode = make_decoder("image", DecodeConfig(image=ImageDecodeConfig(**_IMAGE, draft=self.draft)))
+        sample = self.index.sample(position)
+        jpg = next(f for f in sample.fields if f.name == "jpg")
+        return self.decode(read_field(sample.shard, jpg), sample.key)
+
+
+def image_runs(index_path: str, samples: int, workers: int, batch_size: int) -> list[dict]:
+    """Decode limit, DataLoader, Feed (same decode), Feed (draft), on the image dataset."""
+    chunks = [list(range(w, samples, workers)) for w in range(workers)]
+    results = []
+    for draft in (False, True):
+        def limit() -> None:
+            with multiprocessing.get_context("fork").Pool(workers) as pool:
+                pool.map(_decode_range, [(index_path, chunk, draft) for chunk in chunks])
+        results.append(_measure(f"decode_limit_draft_{draft}", limit, samples))
+
+    def dataloader() -> None:
+        loader = torch.utils.data.DataLoader(IndexImages(index_path, False), batch_size=batch_size, shuffle=True,
+                                             num_workers=workers, generator=torch.Generator().manual_seed(0))
+        for _ in loader:
+            pass
+    results.append(_measure("dataloader", dataloader, samples))
+
+    for draft in (False, True):
+        def feed() -> dict:
+            config = FeedConfig(
+                plan=PlanConfig(seed=0, batch_size=batch_size),
+                decode=DecodeConfig(image=ImageDecodeConfig(**_IMAGE, draft=draft)),
+                pools={"image": PoolConfig(workers=workers, buffer_samples=4 * batch_size),
+                       "text": PoolConfig(workers=1), "meta": PoolConfig(workers=0)},
+                shared_workers=0,
+            )
+            with Feed(index_path, config) as f:
+                for _ in f:
+                    pass
+                return {"consumer_wait_s": round(f.metrics()["consumer_wait_s"], 3)}
+        results.append(_measure(f"feed_draft_{draft}", feed, samples))
+    return results
+
+
+def mixed_run(work: Path, samples: int) -> dict:
+    """The four-modality demo dataset through the feed: per-modality rates and the consumer's wait."""
+    shards = write_webdataset(work / "mixed", DemoDatasetSpec(num_samples=samples, num_shards=4))
+    index = build_index([str(p) for p in shards], work / "mixed-index", IndexConfig(workers=1), progress=False)
+    with Feed(index.path, FeedConfig(plan=PlanConfig(seed=0, batch_size=16))) as feed:
+        start = time.perf_counter()
+        for _ in feed:
+            pass
+        seconds = time.perf_counter() - start
+        metrics = feed.metrics()
+    return {"samples": samples, "seconds": round(seconds, 3), "samples_per_s": round(samples / seconds, 1),
+            "consumer_wait_s": round(metrics["consumer_wait_s"], 3),
+            "modalities": {m: {"decoded": v["decoded"], "p50_ms": round(v["decode_latency_s"]["p50"] * 1e3, 2)}
+                           for m, v in metrics["modalities"].items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--images", type=int, default=2048)
+    parser.add_argument("--mixed", type=int, default=480)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=64)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="omnifeed-bench-feed-"))
+    try:
+        shards = write_images(work / "images", args.images)
+        index = build_index([str(p) for p in shards], work / "index", IndexConfig(workers=1), progress=False)
+        runs = image_runs(str(index.path), args.images, args.workers, args.batch_size)
+        by_name = {r["name"]: r for r in runs}
+        base, limit = by_name["dataloader"]["samples_per_s"], by_name["decode_limit_draft_False"]["samples_per_s"]
+        for r in runs:
+            r["vs_dataloader"] = round(r["samples_per_s"] / base, 3)
+            r["vs_decode_limit_same_code"] = round(r["samples_per_s"] / limit, 3)
+        report = {"cpus": os.cpu_count(), "images": args.images, "workers": args.workers,
+                  "batch_size": args.batch_size, "image": runs, "mixed": mixed_run(work, args.mixed)}
+        print(json.dumps(report, indent=1))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

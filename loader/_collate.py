@@ -1,0 +1,82 @@
+"""The batch format: one micro-batch of decoded samples as padded per-modality tensors.
+
+A batch is a dict:
+
+``"__key__"``: list of the ``n`` delivered sample keys, in plan order.
+``"__info__"``: ``{"epoch", "step", "micro_batch", "rank", "accum", "topology_version",
+"replaced"}``; ``replaced`` lists ``[slot, bad_key, reason]`` for each sample that could
+not be read or decoded and was replaced by a batch-mate (see ``_healing``).
+``"text"``: ``tokens`` int64 ``[m, L]`` (0-padded), ``lengths`` int64 ``[m]``, ``strings``
+(list of ``m`` str), ``index`` int64 ``[m]`` (the slot in ``0..n-1`` of each row).
+``"image"``: ``pixels`` uint8 ``[m, 3, H, W]`` (padded bottom/right to the largest),
+``sizes`` int64 ``[m, 2]`` (height, width), ``index``.
+``"video"``: ``frames`` uint8 ``[m, T, 3, H, W]``, ``lengths`` (frames), ``sizes``, ``index``.
+``"audio"``: ``samples`` float32 ``[m, C, S]``, ``lengths`` (samples), ``index``.
+``"meta"``: ``{field name: list of n bytes or None}`` (JSON, class labels, ... as stored).
+
+A modality no sample of the micro-batch has is absent from the dict; rows exist only for
+samples that have the modality, and ``index`` says whose they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+Decoded = dict[str, Any]  # modality -> decoded value; "meta" -> {field name: bytes}
+
+
+def _pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Stack tensors of equal rank, zero-padding every dimension to the largest."""
+    shape = [max(t.shape[d] for t in tensors) for d in range(tensors[0].dim())]
+    out = tensors[0].new_zeros((len(tensors), *shape))
+    for row, tensor in enumerate(tensors):
+        region: tuple[int | slice, ...] = (row,) + tuple(slice(0, s) for s in tensor.shape)
+        out[region] = tensor
+    return out
+
+
+def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any]) -> dict[str, Any]:
+    """One micro-batch of decoded samples in the documented batch format."""
+    batch: dict[str, Any] = {"__key__": list(keys), "__info__": info}
+    rows: dict[str, list[int]] = {}
+    for slot, sample in enumerate(samples):
+        for modality in sample:
+            rows.setdefault(modality, []).append(slot)
+    if "text" in rows:
+        slots = rows["text"]
+        tokens = [samples[i]["text"][1] for i in slots]
+        batch["text"] = {
+            "tokens": _pad_stack(tokens) if any(t.numel() for t in tokens) else torch.zeros((len(slots), 0), dtype=torch.int64),
+            "lengths": torch.tensor([t.numel() for t in tokens], dtype=torch.int64),
+            "strings": [samples[i]["text"][0] for i in slots],
+            "index": torch.tensor(slots, dtype=torch.int64),
+        }
+    if "image" in rows:
+        images = [samples[i]["image"] for i in rows["image"]]
+        batch["image"] = {
+            "pixels": _pad_stack(images),
+            "sizes": torch.tensor([list(t.shape[-2:]) for t in images], dtype=torch.int64),
+            "index": torch.tensor(rows["image"], dtype=torch.int64),
+        }
+    if "video" in rows:
+        videos = [samples[i]["video"] for i in rows["video"]]
+        batch["video"] = {
+            "frames": _pad_stack(videos),
+            "lengths": torch.tensor([t.shape[0] for t in videos], dtype=torch.int64),
+            "sizes": torch.tensor([list(t.shape[-2:]) for t in videos], dtype=torch.int64),
+            "index": torch.tensor(rows["video"], dtype=torch.int64),
+        }
+    if "audio" in rows:
+        clips = [samples[i]["audio"] for i in rows["audio"]]
+        batch["audio"] = {
+            "samples": _pad_stack(clips),
+            "lengths": torch.tensor([t.shape[-1] for t in clips], dtype=torch.int64),
+            "index": torch.tensor(rows["audio"], dtype=torch.int64),
+        }
+    if "meta" in rows:
+        names = sorted({name for i in rows["meta"] for name in samples[i]["meta"]})
+        batch["meta"] = {name: [s.get("meta", {}).get(name) for s in samples] for name in names}
+    return batch

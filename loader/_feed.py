@@ -1,0 +1,223 @@
+"""`Feed`: this rank's share of the plan as ready batches, decoded per modality, resumable exactly.
+
+Iterating a feed yields this rank's micro-batches in plan order, ``grad_accum`` per step,
+until the epoch in progress is delivered (a new ``iter()`` continues with the next epoch).
+State keys (``state_dict``): ``format``; ``plan`` — the plan cursor's state at the start of
+the step in progress; ``accum_done`` — micro-batches of that step already delivered. Resuming
+from it delivers byte-identical batches to those an uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import IO, Any
+
+from ._collate import collate
+from ._cursor import PlanCursor
+from ._decode import make_decoder
+from ._feed_config import FeedConfig
+from ._feed_metrics import FeedMetrics
+from ._feed_pipeline import FieldReader, PendingBatch, Pipeline, Slot, fields_to_decode
+from ._healing import ErrorBudget, FeedError, SampleFailure, fallback_positions, replacement_slot
+from ._index import SampleIndex
+from ._plan import Plan
+
+FEED_STATE_FORMAT = "omnifeed.feed-state/1"
+
+
+class Feed:
+    """Ready batches for one data-parallel rank: an iterable with state, resize and close.
+
+    ``decoders`` replaces the decoder of a modality (``(bytes, key) -> value``; raise
+    ``DecodeError`` for bad input). ``audit_log`` appends one delivery record per batch
+    (the shape `omnifeed verify` reads).
+    """
+
+    def __init__(self, index: SampleIndex | str | Path, config: FeedConfig | None = None, *, world_size: int = 1,
+                 rank: int = 0, grad_accum: int = 1, audit_log: str | Path | None = None,
+                 decoders: Mapping[str, Callable[[bytes, str], Any]] | None = None) -> None:
+        self.index = index if isinstance(index, SampleIndex) else SampleIndex(index)
+        self.config = config or FeedConfig()
+        self.plan = Plan.from_index(self.index, self.config.plan)
+        self._check_rank(world_size, rank)
+        self.world_size, self.rank, self.grad_accum = world_size, rank, grad_accum
+        self._position = PlanCursor(self.plan, world_size=world_size, grad_accum=grad_accum).state_dict()
+        self._accum_done = 0
+        self._metrics = FeedMetrics()
+        self._budget = ErrorBudget(self.config.error_budget, self.config.error_budget_min_samples)
+        chosen = {m: make_decoder(m, self.config.decode) for m in ("text", "image", "video", "audio")}
+        self._reader = FieldReader(self.config, {**chosen, **(decoders or {})}, self._metrics)
+        self._pipeline: Pipeline | None = None
+        self._audit: IO[str] | None = open(audit_log, "a", encoding="utf-8") if audit_log else None  # noqa: SIM115
+        self._finalizer = weakref.finalize(self, _close_resources, [None], self._audit)
+        self._closed = False
+
+    @staticmethod
+    def _check_rank(world_size: int, rank: int) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+
+    # -- iteration -------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return _EpochIterator(self)
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next micro-batch this feed will deliver."""
+        return int(self._position["epoch"])
+
+    def next_batch(self) -> dict[str, Any]:
+        """The next batch of this rank (crossing epochs freely)."""
+        if self._closed:
+            raise FeedError("the feed is closed")
+        pipeline = self._running()
+        started = time.perf_counter()
+        pending = pipeline.next_ready()
+        waited = time.perf_counter() - started
+        try:
+            batch = self._assemble(pending)
+        finally:
+            pipeline.release(pending)
+        done = pending.accum + 1
+        self._position, self._accum_done = (pending.state_after, 0) if done == self.grad_accum else (pending.state_before, done)
+        self._metrics.delivered(len(pending.slots), waited)
+        return batch
+
+    def _running(self) -> Pipeline:
+        if self._pipeline is None:
+            self._pipeline = Pipeline(
+                self.index, self.plan, self.config, self._reader, world_size=self.world_size, rank=self.rank,
+                grad_accum=self.grad_accum, state=self._position, skip=self._accum_done,
+            )
+            self._finalizer.detach()
+            self._finalizer = weakref.finalize(self, _close_resources, [self._pipeline], self._audit)
+        return self._pipeline
+
+    def _assemble(self, pending: PendingBatch) -> dict[str, Any]:
+        healthy = [slot.failure is None for slot in pending.slots]
+        failures: list[SampleFailure] = []
+        chosen: list[Slot] = []
+        replaced: list[list[Any]] = []
+        for i, slot in enumerate(pending.slots):
+            if slot.failure is None:
+                chosen.append(slot)
+                continue
+            failures.append(slot.failure)
+            j = replacement_slot(i, healthy)
+            chosen.append(pending.slots[j] if j is not None else self._stand_in(slot))
+            replaced.append([i, slot.sample.key, slot.failure.reason])
+            self._metrics.bad(slot.failure.modality, slot.failure.reason)
+        self._budget.record(len(pending.slots), failures)
+        info = {
+            "epoch": pending.micro_batch.epoch, "step": pending.step.step, "micro_batch": pending.micro_batch.index,
+            "rank": self.rank, "accum": pending.accum, "topology_version": pending.step.topology_version,
+            "replaced": replaced,
+        }
+        if self._audit is not None:
+            record = {**{k: v for k, v in info.items() if k != "replaced"}, "window": pending.micro_batch.window,
+                      "world_size": pending.step.world_size, "cost": pending.micro_batch.cost,
+                      "keys": [slot.sample.key for slot in pending.slots], "replaced": replaced}
+            self._audit.write(json.dumps(record) + "\n")
+            self._audit.flush()
+        return collate([slot.decoded for slot in chosen], [slot.sample.key for slot in chosen], info)
+
+    def _stand_in(self, failed: Slot) -> Slot:
+        """A decoded sample with the same modalities to replace one whose whole micro-batch failed."""
+        wanted = {m for m, _ in fields_to_decode(failed.sample) if m != "meta"}
+        for position in fallback_positions(failed.position, self.index.num_samples):
+            slot = Slot(position, self.index.sample(position))
+            fields = fields_to_decode(slot.sample)
+            if {m for m, _ in fields if m != "meta"} != wanted:
+                continue
+            for modality, location in fields:
+                self._reader.fill(slot, modality, location)
+            if slot.failure is None:
+                return slot
+        raise FeedError(f"sample {failed.sample.key!r} failed ({failed.failure}) and no stand-in with the same "
+                        "modalities could be decoded; the dataset looks broken: check its files and re-index")
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The feed's whole data state: the plan cursor at the step in progress and its progress."""
+        return {"format": FEED_STATE_FORMAT, "plan": dict(self._position), "accum_done": self._accum_done}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (strict); another world size than the state's is a resize."""
+        if set(state) != {"format", "plan", "accum_done"} or state["format"] != FEED_STATE_FORMAT:
+            raise ValueError(f"not a feed state (expected keys format, plan, accum_done with format {FEED_STATE_FORMAT!r})")
+        accum_done = state["accum_done"]
+        if not isinstance(accum_done, int) or not 0 <= accum_done < self.grad_accum:
+            raise ValueError(f"feed state accum_done {accum_done!r} outside 0..{self.grad_accum - 1}")
+        cursor = PlanCursor(self.plan, world_size=self.world_size, grad_accum=self.grad_accum)
+        cursor.load_state_dict(state["plan"])
+        if accum_done and cursor.topology_version != state["plan"]["topology_version"]:
+            raise FeedError("the state is in the middle of a step; resume it at the world size it was saved with")
+        self._stop_pipeline()
+        self._position, self._accum_done = cursor.state_dict(), accum_done
+
+    def resize(self, world_size: int, rank: int, grad_accum: int | None = None) -> None:
+        """Deal the following steps to ``world_size`` ranks, this one being ``rank`` (at a step boundary)."""
+        self._check_rank(world_size, rank)
+        if self._accum_done:
+            raise FeedError(f"resize at a step boundary: {self._accum_done} of {self.grad_accum} micro-batches "
+                            f"of step {self._position['step']} are delivered; finish the step first")
+        cursor = PlanCursor(self.plan, world_size=world_size, grad_accum=grad_accum or self.grad_accum)
+        cursor.load_state_dict(self._position)
+        self._stop_pipeline()
+        self.world_size, self.rank, self.grad_accum = world_size, rank, grad_accum or self.grad_accum
+        self._position = cursor.state_dict()
+
+    # -- lifecycle and metrics -------------------------------------------------------------
+    def metrics(self) -> dict[str, Any]:
+        """Per-modality buffers and decode latency, throughput, bytes read, bad samples, consumer wait."""
+        buffers = self._pipeline.pools.buffers() if self._pipeline is not None else {}
+        return self._metrics.snapshot(buffers)
+
+    def _stop_pipeline(self) -> None:
+        if self._pipeline is not None:
+            self._pipeline.close()
+            self._pipeline = None
+
+    def close(self) -> None:
+        """Stop every thread and release every resource (idempotent)."""
+        self._closed = True
+        self._stop_pipeline()
+        self._finalizer.detach()
+        if self._audit is not None:
+            self._audit.close()
+            self._audit = None
+
+    def __enter__(self) -> Feed:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_resources(pipelines: list[Pipeline | None], audit: IO[str] | None) -> None:
+    """Safety net for a feed that is garbage-collected without ``close()``."""
+    for pipeline in pipelines:
+        if pipeline is not None:
+            pipeline.close()
+    if audit is not None and not audit.closed:
+        audit.close()
+
+
+class _EpochIterator:
+    """Batches of a feed until the epoch in progress when it was created is delivered."""
+
+    def __init__(self, feed: Feed) -> None:
+        self._feed = feed
+        self._epoch = feed.epoch
+
+    def __iter__(self) -> _EpochIterator:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        if self._feed._accum_done == 0 and self._feed.epoch > self._epoch:
+            raise StopIteration
+        return self._feed.next_batch()

@@ -1,0 +1,85 @@
+"""In-process metrics of the feed: buffers, decode latency, throughput, bytes, bad samples, waiting."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+_LATENCY_WINDOW = 2048  # decode latencies kept per modality (a sliding window)
+
+
+class FeedMetrics:
+    """Thread-safe counters and sliding windows behind ``Feed.metrics()``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = time.perf_counter()
+        self._latency: dict[str, deque[float]] = {}
+        self._decoded: dict[str, int] = {}
+        self._bytes_read = 0
+        self._bad: dict[str, dict[str, int]] = {}
+        self._batches = 0
+        self._samples = 0
+        self._wait_s = 0.0
+        self._retries = 0
+
+    def decoded(self, modality: str, seconds: float, bytes_read: int) -> None:
+        """One field fetched and decoded in ``seconds``."""
+        with self._lock:
+            self._latency.setdefault(modality, deque(maxlen=_LATENCY_WINDOW)).append(seconds)
+            self._decoded[modality] = self._decoded.get(modality, 0) + 1
+            self._bytes_read += bytes_read
+
+    def bad(self, modality: str, reason: str) -> None:
+        """One sample that could not be read or decoded."""
+        with self._lock:
+            per = self._bad.setdefault(modality, {})
+            per[reason] = per.get(reason, 0) + 1
+
+    def retried(self) -> None:
+        """One read retried after a transient error."""
+        with self._lock:
+            self._retries += 1
+
+    def delivered(self, samples: int, waited_s: float) -> None:
+        """One batch handed to the consumer, who waited ``waited_s`` for it."""
+        with self._lock:
+            self._batches += 1
+            self._samples += samples
+            self._wait_s += waited_s
+
+    def decoded_count(self, modality: str) -> int:
+        """Fields of ``modality`` decoded so far."""
+        with self._lock:
+            return self._decoded.get(modality, 0)
+
+    def snapshot(self, buffers: dict[str, dict[str, int]]) -> dict[str, Any]:
+        """Everything, as a JSON-ready dict (``buffers`` comes from the pools)."""
+        with self._lock:
+            elapsed = max(time.perf_counter() - self._started, 1e-9)
+            modalities = {}
+            for modality in sorted(set(self._decoded) | set(buffers)):
+                latency = np.asarray(self._latency.get(modality, ()), dtype=np.float64)
+                p50, p90, p99 = np.quantile(latency, [0.5, 0.9, 0.99]) if latency.size else (0.0, 0.0, 0.0)
+                modalities[modality] = {
+                    **buffers.get(modality, {}),
+                    "decoded": self._decoded.get(modality, 0),
+                    "decoded_per_s": self._decoded.get(modality, 0) / elapsed,
+                    "decode_latency_s": {"p50": float(p50), "p90": float(p90), "p99": float(p99)},
+                    "bad": dict(self._bad.get(modality, {})),
+                }
+            return {
+                "elapsed_s": elapsed,
+                "batches": self._batches,
+                "samples": self._samples,
+                "samples_per_s": self._samples / elapsed,
+                "bytes_read": self._bytes_read,
+                "read_retries": self._retries,
+                "consumer_wait_s": self._wait_s,
+                "bad_samples": sum(sum(v.values()) for v in self._bad.values()),
+                "modalities": modalities,
+            }

@@ -1,0 +1,136 @@
+"""Per-modality decode pools: task queues, dedicated and shared worker threads, bounded ready buffers.
+
+Each modality has its own queue, its own workers and its own budget of samples (and bytes)
+admitted ahead of the consumer. A micro-batch is admitted only when every modality it needs
+has room, except that a modality with nothing outstanding always admits (so a micro-batch
+larger than a buffer cannot deadlock). Shared workers serve whichever modality with queued
+work has the emptiest ready buffer, so workers move to the modality that runs dry.
+
+Threads, not processes: Pillow and PyAV release the GIL while decoding and resizing
+(measured in benchmarks/RESULTS.md), and threads share the index, the plan and the
+decoded tensors without copies.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ._feed_config import FEED_MODALITIES, FeedConfig
+
+Task = Callable[[], int]
+"""A unit of work: fetch and decode one field, store the result, return the decoded bytes."""
+
+
+class DecodePools:
+    """Worker threads per modality plus shared ones, with bounded per-modality buffers."""
+
+    def __init__(self, config: FeedConfig, on_error: Callable[[BaseException], None]) -> None:
+        self._cond = threading.Condition()
+        self._limits = {m: config.pool(m) for m in FEED_MODALITIES}
+        self._queues: dict[str, deque[Task]] = {m: deque() for m in FEED_MODALITIES}
+        self._outstanding = dict.fromkeys(FEED_MODALITIES, 0)  # admitted, not yet released
+        self._ready = dict.fromkeys(FEED_MODALITIES, 0)  # decoded, not yet released
+        self._ready_bytes = dict.fromkeys(FEED_MODALITIES, 0)
+        self._closed = False
+        self._on_error = on_error
+        self._threads: list[threading.Thread] = []
+        for modality in FEED_MODALITIES:
+            for i in range(self._limits[modality].workers):
+                self._start(f"omnifeed-{modality}-{i}", (modality,))
+        for i in range(config.shared_workers):
+            self._start(f"omnifeed-shared-{i}", None)
+        served = {m for m in FEED_MODALITIES if self._limits[m].workers} | (set(FEED_MODALITIES) if config.shared_workers else set())
+        self._inline = set(FEED_MODALITIES) - served  # no worker would ever run these: run at submit
+
+    def _start(self, name: str, modalities: tuple[str, ...] | None) -> None:
+        thread = threading.Thread(target=self._work, args=(modalities,), name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def admit(self, needs: Mapping[str, int], stopping: threading.Event) -> bool:
+        """Wait until every modality in ``needs`` has room; reserve it. False if stopping first."""
+        with self._cond:
+            while not (self._closed or stopping.is_set() or all(self._room(m, n) for m, n in needs.items() if n)):
+                self._cond.wait(0.1)
+            if self._closed or stopping.is_set():
+                return False
+            for modality, n in needs.items():
+                self._outstanding[modality] += n
+            return True
+
+    def _room(self, modality: str, n: int) -> bool:
+        limit = self._limits[modality]
+        if self._outstanding[modality] == 0:
+            return True
+        return self._outstanding[modality] + n <= limit.buffer_samples and self._ready_bytes[modality] < limit.buffer_bytes
+
+    def submit(self, modality: str, task: Task) -> None:
+        """Queue one admitted task of ``modality``."""
+        if modality in self._inline:
+            self._finish(modality, task())
+            return
+        with self._cond:
+            self._queues[modality].append(task)
+            self._cond.notify_all()
+
+    def release(self, modality: str, count: int, nbytes: int) -> None:
+        """The consumer is done with ``count`` decoded fields (``nbytes``) of ``modality``."""
+        with self._cond:
+            self._outstanding[modality] -= count
+            self._ready[modality] -= count
+            self._ready_bytes[modality] -= nbytes
+            self._cond.notify_all()
+
+    def _pick(self, modalities: tuple[str, ...] | None) -> tuple[str, Task] | None:
+        candidates = [m for m in (modalities or FEED_MODALITIES) if self._queues[m]]
+        if not candidates:
+            return None
+        # the emptiest ready buffer first: that is where the consumer will wait soonest
+        modality = min(candidates, key=lambda m: self._ready[m] / self._limits[m].buffer_samples)
+        return modality, self._queues[modality].popleft()
+
+    def _work(self, modalities: tuple[str, ...] | None) -> None:
+        while True:
+            with self._cond:
+                picked = self._pick(modalities)
+                while picked is None and not self._closed:
+                    self._cond.wait(0.1)
+                    picked = self._pick(modalities)
+                if picked is None:
+                    return
+            modality, task = picked
+            try:
+                nbytes = task()
+            except BaseException as exc:  # noqa: BLE001  reported to the consumer, who re-raises it
+                self._on_error(exc)
+                nbytes = 0
+            self._finish(modality, nbytes)
+
+    def _finish(self, modality: str, nbytes: int) -> None:
+        with self._cond:
+            self._ready[modality] += 1
+            self._ready_bytes[modality] += nbytes
+            self._cond.notify_all()
+
+    def buffers(self) -> dict[str, dict[str, Any]]:
+        """Per modality: decoded samples waiting for the consumer, their bytes, and queued work."""
+        with self._cond:
+            return {
+                m: {"buffer_samples": self._ready[m], "buffer_bytes": self._ready_bytes[m], "queued": len(self._queues[m])}
+                for m in FEED_MODALITIES if self._outstanding[m] or self._ready[m] or self._queues[m]
+            }
+
+    def close(self) -> None:
+        """Stop every worker (queued tasks are dropped) and wait for them."""
+        with self._cond:
+            self._closed = True
+            for queue in self._queues.values():
+                queue.clear()
+            self._cond.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
+        self._threads.clear()

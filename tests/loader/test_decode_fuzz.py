@@ -1,0 +1,96 @@
+"""Fuzzing the decoders: random bytes and random damage to valid files give a value or a DecodeError, nothing else."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from omnifeed.loader._decode import DecodeError, REASONS, decode_audio, decode_image, decode_text, decode_video
+from omnifeed.loader._decode_config import AudioDecodeConfig, ImageDecodeConfig, TextDecodeConfig, VideoDecodeConfig
+from omnifeed.tools._demo_data import encode_flac, encode_image, encode_video
+
+FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
+
+
+def _check_image(data: bytes) -> None:
+    out = decode_image(data, ImageDecodeConfig(size=32, max_size=64))
+    assert out.dtype == torch.uint8 and out.ndim == 3 and out.shape[0] == 3
+
+
+def _check_video(data: bytes) -> None:
+    out = decode_video(data, VideoDecodeConfig(size=32, max_size=64, num_frames=4, max_decoded_frames=500))
+    assert out.dtype == torch.uint8 and out.ndim == 4 and out.shape[1] == 3 and 1 <= out.shape[0] <= 4
+
+
+def _check_audio(data: bytes) -> None:
+    out = decode_audio(data, AudioDecodeConfig(max_seconds=30))
+    assert out.dtype == torch.float32 and out.ndim == 2 and out.shape[0] == 1
+    assert float(out.abs().max()) <= 1.0
+
+
+def _check_text(data: bytes) -> None:
+    text, ids = decode_text(data, TextDecodeConfig(max_tokens=4096))
+    assert isinstance(text, str) and ids.dtype == torch.int64
+
+
+CHECKS: dict[str, Callable[[bytes], None]] = {
+    "image": _check_image, "video": _check_video, "audio": _check_audio, "text": _check_text,
+}
+
+
+def _value_or_decode_error(check: Callable[[bytes], None], data: bytes) -> None:
+    try:
+        check(data)
+    except DecodeError as exc:
+        assert exc.reason in REASONS
+
+
+@functools.cache
+def _valid(kind: str) -> bytes:
+    if kind == "jpeg":
+        return encode_image(64, 48, "jpg")
+    if kind == "png":
+        return encode_image(40, 30, "png")
+    if kind == "mp4":
+        return encode_video(6, 32, 24, 10)
+    return encode_flac(0.5, 16000, 1)
+
+
+_DECODER_OF = {"jpeg": "image", "png": "image", "mp4": "video", "flac": "audio"}
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(data=st.binary(max_size=2048), modality=st.sampled_from(sorted(CHECKS)))
+def test_random_bytes_give_a_value_or_a_decode_error(data: bytes, modality: str) -> None:
+    _value_or_decode_error(CHECKS[modality], data)
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(
+    kind=st.sampled_from(sorted(_DECODER_OF)),
+    flips=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), max_size=12),
+    keep=st.floats(0.05, 1.0),
+)
+def test_damaged_valid_files_give_a_value_or_a_decode_error(
+    kind: str, flips: list[tuple[float, int]], keep: float
+) -> None:
+    data = bytearray(_valid(kind))
+    for where, value in flips:
+        data[int(where * len(data))] = value
+    _value_or_decode_error(CHECKS[_DECODER_OF[kind]], bytes(data[: max(1, int(len(data) * keep))]))
+
+
+@pytest.mark.timeout(60)
+@FUZZ
+@given(points=st.lists(st.integers(0, 0x10FFFF).filter(lambda c: not 0xD800 <= c < 0xE000), max_size=200))
+def test_any_utf8_text_round_trips(points: list[int]) -> None:
+    text = "".join(map(chr, points))
+    decoded, ids = decode_text(text.encode("utf-8"), TextDecodeConfig())
+    assert decoded == text and bytes(ids.tolist()) == text.encode("utf-8")
