@@ -7,7 +7,9 @@ decoded to short side 224; a 640×480 PNG likewise; a 2-second 320×240 H.264 cl
 decoded to 8 uniformly spread frames (short side 224), and to all its 50 frames; 10 s of
 44.1 kHz stereo FLAC resampled to 16 kHz mono. Each is decoded repeatedly for ``--seconds``
 by 1 thread, by ``--workers`` threads and by ``--workers`` processes; the ratio
-threads/1-thread near ``--workers`` means the decoder releases the GIL. Prints one JSON object.
+threads/1-thread near ``--workers`` (and ``threads_cpu_per_wall``, CPU seconds the threaded
+run used per wall second, near ``--workers``) means the decoder releases the GIL. Run it on
+an otherwise idle machine with at least ``--workers`` cores. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ def _cases() -> dict[str, Callable[[], object]]:
 
 
 _CASES: dict[str, Callable[[], object]] = {}
+_CPU_PER_WALL: dict[str, float] = {}
 
 
 def _loop(name: str, seconds: float) -> int:
@@ -67,9 +70,12 @@ def _rate(name: str, seconds: float, workers: int, kind: str) -> float:
     )
     with pool:
         list(pool.map(_loop, [name] * workers, [0.2] * workers))  # warm up (and start) the workers
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         counts = list(pool.map(_loop, [name] * workers, [seconds] * workers))
-        return sum(counts) / (time.perf_counter() - started)
+        wall = time.perf_counter() - started
+        if kind == "threads":  # CPU seconds per wall second of this process: ~workers if the GIL is released
+            _CPU_PER_WALL[name] = (time.process_time() - cpu) / wall
+        return sum(counts) / wall
 
 
 def main() -> None:
@@ -86,8 +92,10 @@ def main() -> None:
         rates = {kind: _rate(name, args.seconds, args.workers, kind) for kind in ("serial", "threads", "processes")}
         rates["thread_speedup"] = rates["threads"] / rates["serial"]
         rates["process_speedup"] = rates["processes"] / rates["serial"]
+        rates["threads_cpu_per_wall"] = _CPU_PER_WALL[name]
         per_s[name] = {k: round(v, 2) for k, v in rates.items()}
-    print(json.dumps({"cpus": os.cpu_count(), "workers": args.workers, "seconds": args.seconds, "per_s": per_s}, indent=2))
+    report = {"cpus": os.cpu_count(), "workers": args.workers, "seconds": args.seconds, "per_s": per_s}
+    print(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@
    ``--workers`` bare processes, no loader: the most any loader could reach here;
 2. ``DataLoader`` (map-style dataset over the index, ``num_workers=--workers``, batches of
    ``--batch-size``) with Pillow decoding at full size then resizing (``draft=False``);
-3. ``Feed`` with the same decode code (``draft=False``), ``--workers`` image threads;
-4. ``Feed`` with omnifeed's image path (``draft=True``: JPEG DCT-domain downscaling);
+3. ``Feed`` with the same decode code (``draft=False``) in ``--workers`` image threads (the
+   default), and in ``--workers`` image processes (``PoolConfig.processes``) for comparison;
+4. ``Feed`` with omnifeed's image path (``draft=True``: JPEG DCT-domain downscaling), threads;
 5. ``Feed`` over a mixed four-modality dataset (the demo generator), for per-modality figures.
 
 Each runs one epoch; reported: samples/s, CPU seconds per sample, ratio to DataLoader and
@@ -123,12 +124,13 @@ def image_runs(index_path: str, samples: int, workers: int, batch_size: int) -> 
             pass
     results.append(_measure("dataloader", dataloader, samples))
 
-    for draft in (False, True):
+    for processes, draft in ((0, False), (0, True), (workers, False)):
         def feed() -> dict:
             config = FeedConfig(
                 plan=PlanConfig(seed=0, batch_size=batch_size),
                 decode=DecodeConfig(image=ImageDecodeConfig(**_IMAGE, draft=draft)),
-                pools={"image": PoolConfig(workers=workers, buffer_samples=4 * batch_size),
+                pools={"image": PoolConfig(workers=2 * workers if processes else workers, processes=processes,
+                                           buffer_samples=4 * batch_size),
                        "text": PoolConfig(workers=1), "meta": PoolConfig(workers=0)},
                 shared_workers=0,
             )
@@ -136,7 +138,8 @@ def image_runs(index_path: str, samples: int, workers: int, batch_size: int) -> 
                 for _ in f:
                     pass
                 return {"consumer_wait_s": round(f.metrics()["consumer_wait_s"], 3)}
-        results.append(_measure(f"feed_draft_{draft}", feed, samples))
+        kind = f"{processes}_processes" if processes else "threads"
+        results.append(_measure(f"feed_{kind}_draft_{draft}", feed, samples))
     return results
 
 

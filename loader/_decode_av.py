@@ -6,11 +6,12 @@ and rate; its buffered tail is flushed at the end), so the output has
 ``round(seconds × sample_rate)`` samples give or take a few. Stereo becomes mono by
 FFmpeg's default downmix; the result is clipped to [-1, 1].
 
-Errors: 'empty'; 'unsupported' (no audio stream, only others; none at all is 'corrupt'); 'too_long' (the header's duration, or the
-samples decoded, over ``max_seconds``; 20 ms of slack for resampling); 'truncated' (the
-container or header ends early, or the LAST packet fails to decode — a file cut in the
-middle, as a partial read leaves it); 'corrupt' (any other container or decoder error, or
-no samples at all). A file cut exactly at a frame boundary decodes what it holds.
+Errors: 'empty'; 'unsupported' (streams, but no audio stream; none at all is 'corrupt');
+'too_long' (the header's duration, or the samples decoded, over ``max_seconds``; 20 ms of
+slack for resampling); 'truncated' (the container or header ends early, or the LAST packet
+fails to decode — a file cut in the middle, as a partial read leaves it); 'corrupt' (any
+other container or decoder error, or no samples at all). A file cut exactly at a frame
+boundary decodes what it holds.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def no_stream_error(container: Any, key: str, modality: str) -> DecodeError:
     kinds = sorted({stream.type for stream in container.streams})
     if not kinds:
         return DecodeError("the container declares no streams at all", key, modality, "corrupt")
-    return DecodeError(f"the container has no {modality} stream (only {', '.join(kinds)})", key, modality, "unsupported")
+    detail = f"the container has no {modality} stream (only {', '.join(kinds)})"
+    return DecodeError(detail, key, modality, "unsupported")
 
 
 def with_last(packets: Iterable[Any]) -> Iterator[tuple[Any, bool]]:

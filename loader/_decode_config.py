@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 ResizePolicy = Literal["none", "fixed", "short_side"]
 Resample = Literal["bilinear", "bicubic", "lanczos"]
@@ -64,6 +64,18 @@ class ImageDecodeConfig(_Model):
         min_length=1,
         description="Pillow format names accepted; anything else is refused as 'corrupt'.",
     )
+
+    @field_validator("formats")
+    @classmethod
+    def _known_formats(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        from PIL import Image
+
+        Image.init()
+        names = tuple(name.upper() for name in value)
+        unknown = [name for name in names if name not in Image.OPEN]
+        if unknown:
+            raise ValueError(f"unknown image formats {unknown}: Pillow reads {', '.join(sorted(Image.OPEN))}")
+        return names
 
     @model_validator(mode="after")
     def _consistent(self) -> ImageDecodeConfig:

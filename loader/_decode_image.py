@@ -1,7 +1,7 @@
 """Images with Pillow: bytes → uint8 [3, H, W] RGB, resized by policy, bombs refused from the header.
 
-- Format: only ``config.formats`` are identified (others are 'corrupt'); the first frame of
-  animated or multi-page files.
+- Format: only ``config.formats`` are identified (others are 'corrupt'; a multi-picture
+  JPEG, MPO, counts as JPEG); the first frame of animated or multi-page files.
 - Guard: ``width × height`` from the header over ``config.max_pixels`` is 'bomb' before any
   pixel is decoded (Pillow's own guard, ``PIL.Image.MAX_IMAGE_PIXELS`` × 2, raises 'bomb' too).
 - Colour: palette, grey, grey+alpha, RGBA, CMYK and YCbCr become RGB; alpha is dropped
@@ -98,7 +98,7 @@ def _decode(data: bytes, config: ImageDecodeConfig, key: str) -> np.ndarray:
         width, height = checked_size(image, config.max_pixels, key)
         out, box, whole = output_geometry(width, height, config)
         scale = 1.0
-        if config.draft and config.resize != "none" and image.format == "JPEG":
+        if config.draft and config.resize != "none" and image.format in ("JPEG", "MPO"):  # MPO: multi-picture JPEG
             drafted = image.draft(None, whole)  # picks 1/s with the decoded image still >= whole
             if drafted is not None:
                 scale = drafted[1][2] / width

@@ -10,12 +10,13 @@
    ``num_frames`` (or ``max_frames``) frames.
 3. Only the packets needed are decoded: from the nearest keyframe at or before each chosen
    frame (skipping whole GOPs between sparse samples), stopping as soon as the last chosen
-   frame is out. Each frame is converted and resized in libswscale (``reformat``).
+   frame is out. Each chosen frame is resized and converted to RGB in libswscale.
 
-Errors: 'empty'; 'unsupported' (no video stream, only others; none at all is 'corrupt'); 'bomb' (declared frame size over
-``max_pixels``, or packets adding up to more bytes than the file could hold); 'too_long'
-(more than ``max_decoded_frames`` decoded); 'truncated' (the container ends early, or the
-last packet fails to decode); 'corrupt' (other container/decoder errors, or no frame out).
+Errors: 'empty'; 'unsupported' (streams, but no video stream; none at all is 'corrupt');
+'bomb' (declared frame size over ``max_pixels``, or packets adding up to more bytes than the
+file could hold); 'too_long' (more than ``max_decoded_frames`` decoded); 'truncated' (the
+container ends early, or the last packet fails to decode); 'corrupt' (other container or
+decoder errors, or no frame out).
 Damage the decoder conceals (H.264 error concealment) comes out as damaged frames; damage it
 reports fails the clip. A chosen frame the decoder never outputs is left out (T shrinks).
 """
@@ -31,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from av.video.reformatter import VideoReformatter
 
 from ._decode_av import av_error, no_stream_error, open_container, out_of_memory
 from ._decode_common import DecodeError, resized_size
@@ -153,10 +155,15 @@ def _decode_clip(container: Any, size: int, config: VideoDecodeConfig, key: str)
     out_w, out_h = resized_size(width, height, config.resize, config.size, config.max_size)
     interpolation = _INTERPOLATION[config.resample]
 
+    # One libswscale context per step, reused for every frame of the clip (a frame's own
+    # reformat() builds a new one each time), and scaling in the decoder's pixel format before
+    # the RGB conversion: ~10x less time per frame than frame.reformat(width, height, "rgb24").
+    scaler, to_rgb = VideoReformatter(), VideoReformatter()
+
     def convert(frame: Any) -> np.ndarray:
         if (frame.width, frame.height) != (out_w, out_h):
-            frame = frame.reformat(width=out_w, height=out_h, format="rgb24", interpolation=interpolation)
-        return np.asarray(frame.to_ndarray(format="rgb24"))
+            frame = scaler.reformat(frame, width=out_w, height=out_h, interpolation=interpolation)
+        return np.asarray(to_rgb.reformat(frame, format="rgb24").to_ndarray())
 
     packets = _demux(container, stream, 2 * size + 2**20, key)
     timed = [p for p in packets if not p.is_discard]  # an edit list's discarded frames are never output

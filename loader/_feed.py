@@ -50,10 +50,10 @@ class Feed:
         self._metrics = FeedMetrics()
         self._budget = ErrorBudget(self.config.error_budget, self.config.error_budget_min_samples)
         chosen = {m: make_decoder(m, self.config.decode) for m in ("text", "image", "video", "audio")}
-        self._reader = FieldReader(self.config, {**chosen, **(decoders or {})}, self._metrics)
+        self._reader = FieldReader(self.config, {**chosen, **(decoders or {})}, self._metrics, frozenset(decoders or ()))
         self._pipeline: Pipeline | None = None
         self._audit: IO[str] | None = open(audit_log, "a", encoding="utf-8") if audit_log else None  # noqa: SIM115
-        self._finalizer = weakref.finalize(self, _close_resources, [None], self._audit)
+        self._finalizer = weakref.finalize(self, _close_resources, [None], self._reader, self._audit)
         self._closed = False
 
     @staticmethod
@@ -94,7 +94,7 @@ class Feed:
                 grad_accum=self.grad_accum, state=self._position, skip=self._accum_done,
             )
             self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _close_resources, [self._pipeline], self._audit)
+            self._finalizer = weakref.finalize(self, _close_resources, [self._pipeline], self._reader, self._audit)
         return self._pipeline
 
     def _assemble(self, pending: PendingBatch) -> dict[str, Any]:
@@ -186,6 +186,7 @@ class Feed:
         """Stop every thread and release every resource (idempotent)."""
         self._closed = True
         self._stop_pipeline()
+        self._reader.close()
         self._finalizer.detach()
         if self._audit is not None:
             self._audit.close()
@@ -198,11 +199,12 @@ class Feed:
         self.close()
 
 
-def _close_resources(pipelines: list[Pipeline | None], audit: IO[str] | None) -> None:
+def _close_resources(pipelines: list[Pipeline | None], reader: FieldReader, audit: IO[str] | None) -> None:
     """Safety net for a feed that is garbage-collected without ``close()``."""
     for pipeline in pipelines:
         if pipeline is not None:
             pipeline.close()
+    reader.close()
     if audit is not None and not audit.closed:
         audit.close()
 

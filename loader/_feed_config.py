@@ -19,6 +19,12 @@ class PoolConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     workers: int = Field(default=1, ge=0, description="Threads dedicated to this modality.")
+    processes: int = Field(
+        default=0, ge=0,
+        description="Worker processes that decode this modality (0: decode in the threads). For decoders that "
+        "hold the GIL; the threads then only hand tasks to the processes and wait, so give twice as many "
+        "threads as processes to keep them busy.",
+    )
     buffer_samples: int = Field(default=256, ge=1, description="Samples of this modality decoded ahead, at most.")
     buffer_bytes: int = Field(default=512 * 2**20, ge=1, description="Bytes of decoded output held ahead, at most.")
 
@@ -26,7 +32,7 @@ class PoolConfig(BaseModel):
 def _default_pools() -> dict[str, PoolConfig]:
     return {
         "text": PoolConfig(workers=1, buffer_samples=1024),
-        "image": PoolConfig(workers=1, buffer_samples=256),
+        "image": PoolConfig(workers=2, buffer_samples=256),
         "video": PoolConfig(workers=1, buffer_samples=16, buffer_bytes=1024 * 2**20),
         "audio": PoolConfig(workers=1, buffer_samples=64),
         "meta": PoolConfig(workers=0, buffer_samples=1024),

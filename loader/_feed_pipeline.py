@@ -15,6 +15,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,10 +33,7 @@ from ._index import IndexedSample, SampleIndex
 from ._plan import MicroBatch, Plan
 from ._pools import DecodePools
 from ._records import FieldLocation
-from ._sources import read_field
-
-Decoder = Callable[[bytes, str], Any]
-_TRANSIENT = (ConnectionError, TimeoutError)
+from ._fetch import TRANSIENT, Decoder, fetch_and_decode, fetch_and_decode_in_process, from_process
 
 
 @dataclass
@@ -86,25 +85,33 @@ def tensor_bytes(value: Any) -> int:
 
 
 class FieldReader:
-    """Fetches one field (ranged read, retried with backoff on transient errors) and decodes it."""
+    """Fetches and decodes one field into a slot, in this thread or in the modality's worker processes."""
 
-    def __init__(self, config: FeedConfig, decoders: Mapping[str, Decoder], metrics: FeedMetrics) -> None:
+    def __init__(self, config: FeedConfig, decoders: Mapping[str, Decoder], metrics: FeedMetrics,
+                 custom: frozenset[str] = frozenset()) -> None:
         self.config, self.decoders, self.metrics = config, decoders, metrics
+        self._executors: dict[str, ProcessPoolExecutor] = {}
+        context = get_context("forkserver")  # workers fork from a clean server, not from this threaded process
+        context.set_forkserver_preload(["omnifeed.loader"])
+        for modality in ("text", "image", "video", "audio"):
+            processes = config.pool(modality).processes
+            if processes and modality not in custom:  # a user's decoder may not pickle: it runs in threads
+                self._executors[modality] = ProcessPoolExecutor(max_workers=processes, mp_context=context)
 
     def read(self, sample: IndexedSample, location: FieldLocation) -> tuple[Any, int]:
         """(decoded value, bytes read); raises DecodeError, SourceError or a storage error."""
-        for attempt in range(self.config.retries + 1):
-            try:
-                data = read_field(sample.shard, location, row_group=sample.row_group, row=sample.row)
-                break
-            except _TRANSIENT:
-                if attempt == self.config.retries:
-                    raise
-                self.metrics.retried()
-                time.sleep(self.config.retry_backoff_s * 2**attempt)
-        if location.modality == "meta":
-            return data, len(data)
-        return self.decoders[location.modality](data, sample.key), len(data)
+        args = (sample.shard, location, sample.row_group, sample.row, sample.key)
+        tail = (self.config.retries, self.config.retry_backoff_s)
+        executor = self._executors.get(location.modality)
+        if executor is not None:
+            future = executor.submit(fetch_and_decode_in_process, *args, self.config.decode, *tail)
+            value, read, retried = future.result()
+            value = from_process(value)
+        else:
+            value, read, retried = fetch_and_decode(*args, self.decoders.get(location.modality), *tail)
+        for _ in range(retried):
+            self.metrics.retried()
+        return value, read
 
     def fill(self, slot: Slot, modality: str, location: FieldLocation) -> int:
         """Read and decode one field into ``slot``; a failure is recorded on the slot. Returns bytes held."""
@@ -119,7 +126,7 @@ class FieldReader:
         except SourceError as exc:
             slot.failure = SampleFailure(slot.sample.key, slot.sample.shard.url, modality, "read", str(exc))
             return 0
-        except (*_TRANSIENT, OSError) as exc:
+        except (*TRANSIENT, OSError) as exc:
             slot.failure = SampleFailure(slot.sample.key, slot.sample.shard.url, modality, "storage", f"{type(exc).__name__}: {exc}")
             return 0
         self.metrics.decoded(modality, time.perf_counter() - started, read)
@@ -128,6 +135,12 @@ class FieldReader:
         else:
             slot.decoded[modality] = value
         return tensor_bytes(value)
+
+    def close(self) -> None:
+        """Shut the worker processes down and wait for them (idempotent)."""
+        for executor in self._executors.values():
+            executor.shutdown(wait=True, cancel_futures=True)
+        self._executors.clear()
 
 
 class Pipeline:
@@ -176,8 +189,8 @@ class Pipeline:
 
     def _enqueue(self, pending: PendingBatch) -> bool:
         tasks = []
-        for position in pending.micro_batch.positions.tolist():
-            slot = Slot(position, self.index.sample(position))
+        for sample in self.index.samples(pending.micro_batch.positions):
+            slot = Slot(sample.position, sample)
             pending.slots.append(slot)
             for modality, location in fields_to_decode(slot.sample):
                 pending.counts[modality] = pending.counts.get(modality, 0) + 1

@@ -171,6 +171,21 @@ class SampleIndex:
             row=row["row"],
         )
 
+    def samples(self, positions: np.ndarray | list[int]) -> list[IndexedSample]:
+        """`sample` for many positions at once (one chunk-wise take: cheaper per sample)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        columns = {name: self._take(name, positions).to_pylist()
+                   for name in ("key", "shard", "fields", "row_group", "row", *LENGTH_COLUMNS)}
+        return [
+            IndexedSample(
+                position=int(position), key=columns["key"][i], shard=self.shards[columns["shard"][i]],
+                fields=tuple(FieldLocation(**f) for f in columns["fields"][i]),
+                lengths=SampleLengths(**{name: columns[name][i] for name in LENGTH_COLUMNS}),
+                row_group=columns["row_group"][i], row=columns["row"][i],
+            )
+            for i, position in enumerate(positions.tolist())
+        ]
+
     def positions_of(self, keys: list[str] | pa.Array) -> np.ndarray:
         """Positions of ``keys`` (``-1`` for a key the index does not hold); builds a hash table of all keys."""
         found = pc.index_in(pa.array(keys, type=pa.string()), value_set=self._rows["key"].combine_chunks())

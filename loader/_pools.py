@@ -3,8 +3,9 @@
 Each modality has its own queue, its own workers and its own budget of samples (and bytes)
 admitted ahead of the consumer. A micro-batch is admitted only when every modality it needs
 has room, except that a modality with nothing outstanding always admits (so a micro-batch
-larger than a buffer cannot deadlock). Shared workers serve whichever modality with queued
-work has the emptiest ready buffer, so workers move to the modality that runs dry.
+larger than a buffer cannot deadlock). Shared workers serve the modality whose queued work
+takes longest to clear at its measured decode time per task (an exponential moving average)
+and its dedicated workers, so workers move to the modality that is running dry.
 
 Threads, not processes: Pillow and PyAV release the GIL while decoding and resizing
 (measured in benchmarks/RESULTS.md), and threads share the index, the plan and the
@@ -14,6 +15,7 @@ decoded tensors without copies.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,12 +30,18 @@ class DecodePools:
     """Worker threads per modality plus shared ones, with bounded per-modality buffers."""
 
     def __init__(self, config: FeedConfig, on_error: Callable[[BaseException], None]) -> None:
-        self._cond = threading.Condition()
+        # One lock; separate conditions so that a finished or submitted task wakes only the
+        # threads that can act on it (a notify_all per task woke every worker: GIL churn).
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # admission: the scheduler waits here for room
+        self._work_ready = {m: threading.Condition(lock) for m in FEED_MODALITIES}
+        self._shared_work = threading.Condition(lock)
         self._limits = {m: config.pool(m) for m in FEED_MODALITIES}
         self._queues: dict[str, deque[Task]] = {m: deque() for m in FEED_MODALITIES}
         self._outstanding = dict.fromkeys(FEED_MODALITIES, 0)  # admitted, not yet released
         self._ready = dict.fromkeys(FEED_MODALITIES, 0)  # decoded, not yet released
         self._ready_bytes = dict.fromkeys(FEED_MODALITIES, 0)
+        self._seconds_per_task = dict.fromkeys(FEED_MODALITIES, 0.0)  # measured, moving average
         self._closed = False
         self._on_error = on_error
         self._threads: list[threading.Thread] = []
@@ -74,7 +82,8 @@ class DecodePools:
             return
         with self._cond:
             self._queues[modality].append(task)
-            self._cond.notify_all()
+            self._work_ready[modality].notify()
+            self._shared_work.notify()
 
     def release(self, modality: str, count: int, nbytes: int) -> None:
         """The consumer is done with ``count`` decoded fields (``nbytes``) of ``modality``."""
@@ -88,32 +97,43 @@ class DecodePools:
         candidates = [m for m in (modalities or FEED_MODALITIES) if self._queues[m]]
         if not candidates:
             return None
-        # the emptiest ready buffer first: that is where the consumer will wait soonest
-        modality = min(candidates, key=lambda m: self._ready[m] / self._limits[m].buffer_samples)
+        if modalities is None:  # a shared worker: the longest backlog in seconds of work per worker
+            modality = max(candidates, key=self._backlog_seconds)
+        else:
+            modality = candidates[0]
         return modality, self._queues[modality].popleft()
 
+    def _backlog_seconds(self, modality: str) -> tuple[float, float]:
+        per_task = self._seconds_per_task[modality] or 1e-3  # unmeasured yet: assume cheap
+        backlog = len(self._queues[modality]) * per_task / (self._limits[modality].workers + 1)
+        return backlog, -self._ready[modality] / self._limits[modality].buffer_samples
+
     def _work(self, modalities: tuple[str, ...] | None) -> None:
+        wakeup = self._shared_work if modalities is None else self._work_ready[modalities[0]]
         while True:
             with self._cond:
                 picked = self._pick(modalities)
                 while picked is None and not self._closed:
-                    self._cond.wait(0.1)
+                    wakeup.wait(0.5)
                     picked = self._pick(modalities)
                 if picked is None:
                     return
             modality, task = picked
+            started = time.perf_counter()
             try:
                 nbytes = task()
             except BaseException as exc:  # noqa: BLE001  reported to the consumer, who re-raises it
                 self._on_error(exc)
                 nbytes = 0
-            self._finish(modality, nbytes)
+            self._finish(modality, nbytes, time.perf_counter() - started)
 
-    def _finish(self, modality: str, nbytes: int) -> None:
+    def _finish(self, modality: str, nbytes: int, seconds: float = 0.0) -> None:
         with self._cond:
+            if seconds:
+                previous = self._seconds_per_task[modality]
+                self._seconds_per_task[modality] = seconds if not previous else 0.8 * previous + 0.2 * seconds
             self._ready[modality] += 1
-            self._ready_bytes[modality] += nbytes
-            self._cond.notify_all()
+            self._ready_bytes[modality] += nbytes  # only shrinks room: nobody to wake
 
     def buffers(self) -> dict[str, dict[str, Any]]:
         """Per modality: decoded samples waiting for the consumer, their bytes, and queued work."""
@@ -130,6 +150,9 @@ class DecodePools:
             for queue in self._queues.values():
                 queue.clear()
             self._cond.notify_all()
+            self._shared_work.notify_all()
+            for condition in self._work_ready.values():
+                condition.notify_all()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join()

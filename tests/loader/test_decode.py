@@ -1,4 +1,4 @@
-"""The decoder registry, DecodeError, text decoding, and the bad-input corpus: every bad file is a DecodeError with its reason."""
+"""The decoder registry, DecodeError, text, and the bad-input corpus: each bad file is a DecodeError with its reason."""
 
 from __future__ import annotations
 
@@ -20,7 +20,15 @@ import torch
 from PIL import Image
 
 from omnifeed.loader import _decode
-from omnifeed.loader._decode import REASONS, DecodeError, decode_audio, decode_image, decode_text, decode_video, make_decoder
+from omnifeed.loader._decode import (
+    REASONS,
+    DecodeError,
+    decode_audio,
+    decode_image,
+    decode_text,
+    decode_video,
+    make_decoder,
+)
 from omnifeed.loader._decode_config import (
     AudioDecodeConfig,
     DecodeConfig,
@@ -59,7 +67,8 @@ def _png_chunk(kind: bytes, body: bytes) -> bytes:
 def _png_header(width: int, height: int) -> bytes:
     """A valid PNG signature, IHDR declaring ``width × height`` RGB, one empty IDAT and IEND."""
     ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", zlib.compress(b"")) + _png_chunk(b"IEND", b"")
+    chunks = _png_chunk(b"IHDR", ihdr) + _png_chunk(b"IDAT", zlib.compress(b"")) + _png_chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + chunks
 
 
 def _broken_moov() -> bytes:
@@ -242,9 +251,16 @@ def test_text_module_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.parametrize(
     ("model", "kwargs"),
-    [(ImageDecodeConfig, {"crop": "center", "resize": "fixed"}), (ImageDecodeConfig, {"size": 300, "max_size": 200}),
-     (ImageDecodeConfig, {"colour": True}), (VideoDecodeConfig, {"num_frames": 4, "fps": 2.0}),
-     (VideoDecodeConfig, {"num_frames": 65}), (AudioDecodeConfig, {"channels": 3}), (TextDecodeConfig, {"tokenizer": "gpt"})],
+    [
+        (ImageDecodeConfig, {"crop": "center", "resize": "fixed"}),
+        (ImageDecodeConfig, {"size": 300, "max_size": 200}),
+        (ImageDecodeConfig, {"colour": True}),
+        (ImageDecodeConfig, {"formats": ("JPEG", "HEIC-ISH")}),
+        (VideoDecodeConfig, {"num_frames": 4, "fps": 2.0}),
+        (VideoDecodeConfig, {"num_frames": 65}),
+        (AudioDecodeConfig, {"channels": 3}),
+        (TextDecodeConfig, {"tokenizer": "gpt"}),
+    ],
 )
 def test_inconsistent_configs_are_refused(model: type, kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -273,8 +289,8 @@ def test_dali_backend_matches_pillow() -> None:
             got, want = decoder(data, "k"), decode_image(data, image)
             assert isinstance(got, torch.Tensor) and got.shape == want.shape and got.dtype == torch.uint8
             assert (got.float() - want.float()).abs().mean() < 3.0
-        for make, reason in ((lambda: b"", "empty"), (lambda: _jpeg()[:2000], "truncated"), (lambda: b"x" * 99, "corrupt")):
+        for bad, reason in ((b"", "empty"), (_jpeg()[:2000], "truncated"), (b"x" * 99, "corrupt")):
             with pytest.raises(DecodeError) as caught:
-                decoder(make(), "k")
+                decoder(bad, "k")
             assert caught.value.reason == reason
         assert decoder(_jpeg(), "k").shape == decode_image(_jpeg(), image).shape  # rebuilt after a failure

@@ -73,7 +73,9 @@ def test_num_frames_are_spread_uniformly_and_exact(long_clip: bytes, every_frame
     assert torch.equal(out, every_frame[expected])  # decoding from a keyframe gives the same pixels
 
 
-def test_num_frames_decodes_far_fewer_frames_than_the_clip_has(long_clip: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_num_frames_decodes_far_fewer_frames_than_the_clip_has(
+    long_clip: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     counter = _Counter(monkeypatch)
     out = decode_video(long_clip, VideoDecodeConfig(num_frames=2))
     assert out.shape[0] == 2
@@ -87,7 +89,9 @@ def test_first_frames_stop_early(long_clip: bytes, monkeypatch: pytest.MonkeyPat
     assert counter.frames <= 4 + 4
 
 
-@pytest.mark.parametrize(("frames", "native", "fps"), [(100, 25, 10.0), (300, 25, 1.0), (50, 25, 25.0), (40, 10, 30.0), (30, 24, 7.5)])
+@pytest.mark.parametrize(
+    ("frames", "native", "fps"), [(100, 25, 10.0), (300, 25, 1.0), (50, 25, 25.0), (40, 10, 30.0), (30, 24, 7.5)]
+)
 def test_fps_sampling_gives_the_cost_models_frame_count(frames: int, native: int, fps: float) -> None:
     clip = _clip(frames, native, 12, 32, 24)
     out = decode_video(clip, VideoDecodeConfig(fps=fps, resize="none", max_frames=64))

@@ -28,7 +28,8 @@ SIDES = [1, 2, 3, 7, 13, 31, 100, 111, 223, 224, 225, 299, 333, 480, 500, 640, 1
 
 @pytest.mark.parametrize(
     ("resize", "size", "max_size"),
-    [("short_side", 224, 1024), ("short_side", 384, 512), ("short_side", 7, 9), ("fixed", 224, 1024), ("none", 224, 1024)],
+    [("short_side", 224, 1024), ("short_side", 384, 512), ("short_side", 7, 9), ("fixed", 224, 1024),
+     ("none", 224, 1024)],
 )
 def test_output_size_equals_the_cost_models_for_every_source_size(resize: str, size: int, max_size: int) -> None:
     pairs = list(itertools.product(SIDES, SIDES))
@@ -74,7 +75,9 @@ def _smooth_jpeg(width: int, height: int) -> bytes:
     return _encode(Image.fromarray(rgb), "JPEG")
 
 
-@pytest.mark.parametrize(("width", "height", "size"), [(640, 480, 224), (1280, 960, 100), (500, 333, 224), (2400, 1800, 224)])
+@pytest.mark.parametrize(
+    ("width", "height", "size"), [(640, 480, 224), (1280, 960, 100), (500, 333, 224), (2400, 1800, 224)]
+)
 def test_draft_mode_changes_speed_not_size(width: int, height: int, size: int) -> None:
     data = _smooth_jpeg(width, height)
     fast = decode_image(data, ImageDecodeConfig(size=size, draft=True))
@@ -109,3 +112,10 @@ def test_transparent_palette_image_decodes_without_warnings(recwarn: pytest.Warn
     out = decode_image(buf.getvalue(), ImageDecodeConfig(resize="none"))
     assert out.shape == (3, 16, 16)
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_multi_picture_jpeg_decodes_its_first_picture_with_draft() -> None:
+    buf, second = io.BytesIO(), Image.new("RGB", (640, 480))
+    Image.new("RGB", (640, 480), "red").save(buf, format="MPO", save_all=True, append_images=[second])
+    out = decode_image(buf.getvalue(), ImageDecodeConfig(formats=("JPEG",)))
+    assert out.shape == (3, 224, 299) and out[0].min() > 240 and out[2].max() < 15

@@ -5,10 +5,21 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
-from omnifeed.loader import Feed, FeedConfig, FeedError, IndexConfig, PlanConfig, PlanCursor, SampleIndex, build_index
+from omnifeed.loader import (
+    Feed,
+    FeedConfig,
+    FeedError,
+    IndexConfig,
+    PlanConfig,
+    PlanCursor,
+    PoolConfig,
+    SampleIndex,
+    build_index,
+)
 from omnifeed.loader._audit import read_delivery_logs, verify_coverage
 
 
@@ -25,6 +36,13 @@ def config(**plan: object) -> FeedConfig:
 
 def omnifeed_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("omnifeed-")]
+
+
+def decode_processes() -> list[int]:
+    """Live worker processes: children of the multiprocessing fork server (which itself may stay)."""
+    children = psutil.Process().children(recursive=True)
+    servers = {p.pid for p in children if "forkserver" in " ".join(p.cmdline())}
+    return [p.pid for p in children if p.ppid() in servers and p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def same_batch(a: dict, b: dict) -> bool:
@@ -120,14 +138,16 @@ def test_resize_in_the_middle_of_a_step_is_refused(index: SampleIndex) -> None:
         assert feed.next_batch()["__info__"]["topology_version"] == 1
 
 
-def test_close_leaves_no_threads_and_is_idempotent(index: SampleIndex) -> None:
+def test_close_leaves_no_threads_or_processes_and_is_idempotent(index: SampleIndex) -> None:
     before = omnifeed_threads()
-    feed = Feed(index, config())
+    processes = FeedConfig(plan=PlanConfig(seed=3, batch_size=4), pools={"image": PoolConfig(workers=2, processes=2)})
+    feed = Feed(index, processes)  # images decode in worker processes
     feed.next_batch()
-    assert omnifeed_threads() != before
+    assert omnifeed_threads() != before and decode_processes()
     feed.close()
     feed.close()
     assert omnifeed_threads() == before
+    assert decode_processes() == []
     with pytest.raises(FeedError, match="closed"):
         feed.next_batch()
 
