@@ -7,9 +7,11 @@ larger than a buffer cannot deadlock). Shared workers serve the modality whose q
 takes longest to clear at its measured decode time per task (an exponential moving average)
 and its dedicated workers, so workers move to the modality that is running dry.
 
-Threads, not processes: Pillow and PyAV release the GIL while decoding and resizing
-(measured in benchmarks/RESULTS.md), and threads share the index, the plan and the
-decoded tensors without copies.
+Threads by default: Pillow and PyAV release the GIL while decoding and resizing (two image
+threads decode 2× one thread), and threads share the index, the plan and the decoded tensors
+without copies. A modality can decode in worker processes instead (``PoolConfig.processes``;
+the threads then hand tasks over and wait): measured slower for images here, because each
+result crosses a pipe (benchmarks/RESULTS.md), but there for decoders that hold the GIL.
 """
 
 from __future__ import annotations
