@@ -23,6 +23,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_index.py
+	$(PY) benchmarks/bench_bucketing.py
+	$(PY) benchmarks/bench_feed.py
+	$(PY) benchmarks/bench_decode.py
 
 clean:
 	rm -rf $(VENV) demo-output benchmarks/_work

@@ -98,7 +98,7 @@ def test_a_slow_video_decoder_does_not_hold_images_back(index_for_faults: Sample
 
         def slow_video(data: bytes, key: str):  # noqa: ANN202
             seen.append(holder["feed"].metrics()["modalities"].get("image", {}).get("decoded", 0))
-            time.sleep(0.25)
+            time.sleep(0.5)
             return video(data, key)
 
         with Feed(index_for_faults, config, decoders={"video": slow_video}) as feed:
@@ -116,8 +116,8 @@ def test_a_slow_video_decoder_does_not_hold_images_back(index_for_faults: Sample
     prefetched_images = sum(
         1 for position in prefetched.tolist() if any(f.modality == "image" for f in index_for_faults.sample(position).fields)
     )
-    # Stated bound: half a second into the (0.25 s each) videos, at least 3/4 of the images of the
-    # 16 prefetched micro-batches are decoded: the image pool never waited for the video pool.
+    # Stated bound: a second into the (0.5 s each) videos, at least 3/4 of the images of the 16
+    # prefetched micro-batches are decoded: the image pool never waited for the video pool.
     assert images_decoded_while_videos_decode(config) >= 0.75 * prefetched_images
 
 
