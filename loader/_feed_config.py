@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ._config import PlanConfig, load_yaml
 from ._decode_config import DecodeConfig
@@ -59,6 +59,29 @@ class FeedConfig(BaseModel):
     error_budget_min_samples: int = Field(
         default=200, ge=1, description="Samples read before the error budget is enforced."
     )
+
+    @model_validator(mode="after")
+    def _budgets_match_decoding(self) -> FeedConfig:
+        """With bucketing, the cost model must charge for the sizes the decoders will produce."""
+        bucketing = self.plan.bucketing
+        if bucketing is None:
+            return self
+        cost, image = bucketing.cost, self.decode.image
+        expected = ("fixed", image.size) if image.crop == "center" else (image.resize, image.size)
+        charged = (cost.image_resize, cost.image_size)
+        if expected != charged or (image.resize == "short_side" and image.crop == "none" and cost.max_image_size != image.max_size):
+            raise ValueError(
+                f"the plan's cost model charges images as {charged[0]} {charged[1]} (max {cost.max_image_size}) but "
+                f"decode.image produces {expected[0]} {expected[1]} (max {image.max_size}): set "
+                "plan.bucketing.cost.image_resize/image_size/max_image_size to match (crop 'center' is 'fixed')"
+            )
+        frames = self.decode.video.num_frames
+        if frames is not None and cost.video_max_frames != frames:
+            raise ValueError(
+                f"decode.video.num_frames is {frames} but plan.bucketing.cost.video_max_frames is "
+                f"{cost.video_max_frames}: set them equal so video budgets count the frames decoded"
+            )
+        return self
 
     def pool(self, modality: str) -> PoolConfig:
         """The pool configuration of ``modality`` (a default one when not configured)."""

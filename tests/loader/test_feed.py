@@ -161,3 +161,17 @@ def test_metrics_report_buffers_latency_throughput_and_waiting(index: SampleInde
     assert metrics["consumer_wait_s"] >= 0 and metrics["bad_samples"] == 0
     image = metrics["modalities"]["image"]
     assert image["decoded"] > 0 and image["decode_latency_s"]["p50"] > 0
+
+
+def test_a_cost_model_that_mischarges_decoded_sizes_is_refused() -> None:
+    from omnifeed.bucketing import BucketingConfig, CostModel
+    from omnifeed.loader import DecodeConfig, ImageDecodeConfig, VideoDecodeConfig
+
+    cropped = DecodeConfig(image=ImageDecodeConfig(crop="center", size=224))
+    with pytest.raises(ValueError, match="crop 'center' is 'fixed'"):
+        FeedConfig(plan=PlanConfig(bucketing=BucketingConfig(budget=1e5)), decode=cropped)
+    FeedConfig(plan=PlanConfig(bucketing=BucketingConfig(budget=1e5, cost=CostModel(image_resize="fixed"))), decode=cropped)
+    with pytest.raises(ValueError, match="video_max_frames"):
+        FeedConfig(plan=PlanConfig(bucketing=BucketingConfig(budget=1e5)),
+                   decode=DecodeConfig(video=VideoDecodeConfig(num_frames=8)))
+    FeedConfig(decode=cropped)  # fixed-size batches charge nothing: no constraint
