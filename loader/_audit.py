@@ -18,6 +18,7 @@ import numpy as np
 from ._cursor import Step
 from ._errors import OmnifeedError
 from ._index import SampleIndex
+from ._plan import MicroBatch
 
 _EXAMPLES = 5
 
@@ -30,14 +31,19 @@ def delivery_records(step: Step, index: SampleIndex, ranks: Iterable[int] | None
     """
     for rank in range(step.world_size) if ranks is None else ranks:
         for accum, mb in enumerate(step.for_rank(rank)):
-            record = {
-                "epoch": mb.epoch, "step": step.step, "rank": rank, "accum": accum,
-                "micro_batch": mb.index, "window": mb.window, "world_size": step.world_size,
-                "topology_version": step.topology_version, "cost": mb.cost, "keys": index.keys(mb.positions),
-            }
-            if mb.pack is not None:
-                record["segments"] = [[s.start, s.stop] for s in mb.pack.segments]
-            yield record
+            yield delivery_record(step, rank, accum, mb, index.keys(mb.positions))
+
+
+def delivery_record(step: Step, rank: int, accum: int, mb: MicroBatch, keys: list[str]) -> dict[str, Any]:
+    """The record of one delivered micro-batch (``keys``: its planned sample keys, in order)."""
+    record: dict[str, Any] = {
+        "epoch": mb.epoch, "step": step.step, "rank": rank, "accum": accum, "micro_batch": mb.index,
+        "window": mb.window, "world_size": step.world_size, "topology_version": step.topology_version,
+        "cost": mb.cost, "keys": keys,
+    }
+    if mb.pack is not None:
+        record["segments"] = [[s.start, s.stop] for s in mb.pack.segments]
+    return record
 
 
 def read_delivery_logs(paths: Iterable[str | Path], stdin: IO[str] | None = None) -> Iterator[dict[str, Any]]:

@@ -4,7 +4,8 @@ A batch is a dict:
 
 ``"__key__"``: list of the ``n`` delivered sample keys, in plan order.
 ``"__info__"``: ``{"epoch", "step", "micro_batch", "rank", "accum", "topology_version",
-"replaced"}``; ``replaced`` lists ``[slot, bad_key, reason]`` for each sample that could
+"replaced"}`` (and ``"segments"`` in packing mode: each slot's ``[start, stop)`` token range,
+for slicing ``text.tokens`` and building ``cu_seqlens``); ``replaced`` lists ``[slot, bad_key, reason]`` for each sample that could
 not be read or decoded and was replaced by a batch-mate (see ``_healing``).
 ``"text"``: ``tokens`` int64 ``[m, L]`` (0-padded), ``lengths`` int64 ``[m]``, ``strings``
 (list of ``m`` str), ``index`` int64 ``[m]`` (the slot in ``0..n-1`` of each row).
@@ -46,6 +47,17 @@ def _pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def _media(tensors: list[torch.Tensor], slots: list[int], name: str, length_dim: int | None) -> dict[str, Any]:
+    """One media modality: padded tensors, lengths along ``length_dim`` (time) if any, frame sizes, rows."""
+    field: dict[str, Any] = {name: _pad_stack(tensors)}
+    if length_dim is not None:
+        field["lengths"] = torch.tensor([t.shape[length_dim] for t in tensors], dtype=torch.int64)
+    if name != "samples":  # images and video frames: (height, width) of each row before padding
+        field["sizes"] = torch.tensor([list(t.shape[-2:]) for t in tensors], dtype=torch.int64)
+    field["index"] = torch.tensor(slots, dtype=torch.int64)
+    return field
+
+
 def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any]) -> dict[str, Any]:
     """One micro-batch of decoded samples in the documented batch format."""
     batch: dict[str, Any] = {"__key__": list(keys), "__info__": info}
@@ -62,28 +74,9 @@ def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any
             "strings": [samples[i]["text"][0] for i in slots],
             "index": torch.tensor(slots, dtype=torch.int64),
         }
-    if "image" in rows:
-        images = [samples[i]["image"] for i in rows["image"]]
-        batch["image"] = {
-            "pixels": _pad_stack(images),
-            "sizes": torch.tensor([list(t.shape[-2:]) for t in images], dtype=torch.int64),
-            "index": torch.tensor(rows["image"], dtype=torch.int64),
-        }
-    if "video" in rows:
-        videos = [samples[i]["video"] for i in rows["video"]]
-        batch["video"] = {
-            "frames": _pad_stack(videos),
-            "lengths": torch.tensor([t.shape[0] for t in videos], dtype=torch.int64),
-            "sizes": torch.tensor([list(t.shape[-2:]) for t in videos], dtype=torch.int64),
-            "index": torch.tensor(rows["video"], dtype=torch.int64),
-        }
-    if "audio" in rows:
-        clips = [samples[i]["audio"] for i in rows["audio"]]
-        batch["audio"] = {
-            "samples": _pad_stack(clips),
-            "lengths": torch.tensor([t.shape[-1] for t in clips], dtype=torch.int64),
-            "index": torch.tensor(rows["audio"], dtype=torch.int64),
-        }
+    for modality, name, length_dim in (("image", "pixels", None), ("video", "frames", 0), ("audio", "samples", -1)):
+        if modality in rows:
+            batch[modality] = _media([samples[i][modality] for i in rows[modality]], rows[modality], name, length_dim)
     if "meta" in rows:
         names = sorted({name for i in rows["meta"] for name in samples[i]["meta"]})
         batch["meta"] = {name: [s.get("meta", {}).get(name) for s in samples] for name in names}

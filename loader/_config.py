@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omnifeed.bucketing import BucketingConfig
 
@@ -94,6 +94,12 @@ class PlanConfig(_Model):
         description="Drop each epoch's last, short micro-batch (its samples are reported, never silently lost); "
         "fixed-size batches only.",
     )
+
+    @model_validator(mode="after")
+    def _drop_last_needs_fixed_batches(self) -> PlanConfig:
+        if self.drop_last and self.bucketing is not None:
+            raise ValueError("drop_last applies to fixed-size batches; with bucketing no micro-batch is short")
+        return self
 
     def fingerprint(self) -> str:
         """Stable hash of every setting that changes the micro-batch sequence."""

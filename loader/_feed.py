@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
+from ._audit import delivery_record
 from ._collate import collate
 from ._cursor import PlanCursor
 from ._decode import make_decoder
@@ -117,11 +118,12 @@ class Feed:
             "rank": self.rank, "accum": pending.accum, "topology_version": pending.step.topology_version,
             "replaced": replaced,
         }
+        if pending.micro_batch.pack is not None:  # packing: each key's token range in the pack
+            info["segments"] = [[seg.start, seg.stop] for seg in pending.micro_batch.pack.segments]
         if self._audit is not None:
-            record = {**{k: v for k, v in info.items() if k != "replaced"}, "window": pending.micro_batch.window,
-                      "world_size": pending.step.world_size, "cost": pending.micro_batch.cost,
-                      "keys": [slot.sample.key for slot in pending.slots], "replaced": replaced}
-            self._audit.write(json.dumps(record) + "\n")
+            planned = [slot.sample.key for slot in pending.slots]
+            record = delivery_record(pending.step, self.rank, pending.accum, pending.micro_batch, planned)
+            self._audit.write(json.dumps({**record, "replaced": replaced}) + "\n")
             self._audit.flush()
         return collate([slot.decoded for slot in chosen], [slot.sample.key for slot in chosen], info)
 

@@ -160,31 +160,23 @@ class SampleIndex:
         """Everything the index knows about the sample at ``position``."""
         if not 0 <= position < self.num_samples:
             raise IndexError(f"position {position} outside the index's {self.num_samples} samples")
-        row = self._rows.slice(position, 1).to_pylist()[0]
-        return IndexedSample(
-            position=position,
-            key=row["key"],
-            shard=self.shards[row["shard"]],
-            fields=tuple(FieldLocation(**f) for f in row["fields"]),
-            lengths=SampleLengths(**{name: row[name] for name in LENGTH_COLUMNS}),
-            row_group=row["row_group"],
-            row=row["row"],
-        )
+        return self._to_sample(position, self._rows.slice(position, 1).to_pylist()[0])
 
     def samples(self, positions: np.ndarray | list[int]) -> list[IndexedSample]:
-        """`sample` for many positions at once (one chunk-wise take: cheaper per sample)."""
+        """`sample` for many positions at once (one chunk-wise take per column: cheaper per sample)."""
         positions = np.asarray(positions, dtype=np.int64)
-        columns = {name: self._take(name, positions).to_pylist()
-                   for name in ("key", "shard", "fields", "row_group", "row", *LENGTH_COLUMNS)}
-        return [
-            IndexedSample(
-                position=int(position), key=columns["key"][i], shard=self.shards[columns["shard"][i]],
-                fields=tuple(FieldLocation(**f) for f in columns["fields"][i]),
-                lengths=SampleLengths(**{name: columns[name][i] for name in LENGTH_COLUMNS}),
-                row_group=columns["row_group"][i], row=columns["row"][i],
-            )
-            for i, position in enumerate(positions.tolist())
-        ]
+        names = ("key", "shard", "fields", "row_group", "row", *LENGTH_COLUMNS)
+        columns = {name: self._take(name, positions).to_pylist() for name in names}
+        return [self._to_sample(int(p), {name: columns[name][i] for name in names})
+                for i, p in enumerate(positions.tolist())]
+
+    def _to_sample(self, position: int, row: dict[str, Any]) -> IndexedSample:
+        return IndexedSample(
+            position=position, key=row["key"], shard=self.shards[row["shard"]],
+            fields=tuple(FieldLocation(**f) for f in row["fields"]),
+            lengths=SampleLengths(**{name: row[name] for name in LENGTH_COLUMNS}),
+            row_group=row["row_group"], row=row["row"],
+        )
 
     def positions_of(self, keys: list[str] | pa.Array) -> np.ndarray:
         """Positions of ``keys`` (``-1`` for a key the index does not hold); builds a hash table of all keys."""

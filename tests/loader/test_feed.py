@@ -175,3 +175,15 @@ def test_a_cost_model_that_mischarges_decoded_sizes_is_refused() -> None:
         FeedConfig(plan=PlanConfig(bucketing=BucketingConfig(budget=1e5)),
                    decode=DecodeConfig(video=VideoDecodeConfig(num_frames=8)))
     FeedConfig(decode=cropped)  # fixed-size batches charge nothing: no constraint
+
+
+def test_a_packed_feeds_audit_log_verifies_exactly_once(index: SampleIndex, tmp_path: Path) -> None:
+    from omnifeed.bucketing import BucketingConfig
+
+    packing = BucketingConfig(mode="packing", budget=64, overlong="split")
+    log = tmp_path / "packed.jsonl"
+    with Feed(index, FeedConfig(plan=PlanConfig(seed=1, bucketing=packing)), audit_log=log) as feed:
+        batches = list(feed)
+    split = [b for b in batches if any(start > 0 for start, _ in b["__info__"]["segments"])]
+    assert split, "some sample is longer than a pack and was split"
+    assert verify_coverage(index, 0, read_delivery_logs([log])).ok
