@@ -51,7 +51,8 @@ class Feed:
         self._metrics = FeedMetrics()
         self._budget = ErrorBudget(self.config.error_budget, self.config.error_budget_min_samples)
         chosen = {m: make_decoder(m, self.config.decode) for m in ("text", "image", "video", "audio")}
-        self._reader = FieldReader(self.config, {**chosen, **(decoders or {})}, self._metrics, frozenset(decoders or ()))
+        self._reader = FieldReader(self.config, {**chosen, **(decoders or {})}, self._metrics, self.index.fingerprint,
+                                   frozenset(decoders or ()))
         self._pipeline: Pipeline | None = None
         self._audit: IO[str] | None = open(audit_log, "a", encoding="utf-8") if audit_log else None  # noqa: SIM115
         self._finalizer = weakref.finalize(self, _close_resources, [None], self._reader, self._audit)
@@ -177,7 +178,8 @@ class Feed:
     def metrics(self) -> dict[str, Any]:
         """Per-modality buffers and decode latency, throughput, bytes read, bad samples, consumer wait."""
         buffers = self._pipeline.pools.buffers() if self._pipeline is not None else {}
-        return self._metrics.snapshot(buffers)
+        return {**self._metrics.snapshot(buffers), "cache": self._reader.source.stats(),
+                "storage_degraded": self._reader.source.degraded, "read_ahead": self._reader.read_ahead()}
 
     def _stop_pipeline(self) -> None:
         if self._pipeline is not None:

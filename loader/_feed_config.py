@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..cache import CacheConfig
 from ._config import PlanConfig, load_yaml
 from ._decode_config import DecodeConfig
 
@@ -51,8 +52,10 @@ class FeedConfig(BaseModel):
         default=1, ge=0, description="Threads that serve whichever modality's buffer is emptiest (by fill fraction)."
     )
     prefetch_steps: int = Field(default=4, ge=1, description="Steps of this rank planned and queued ahead.")
-    retries: int = Field(default=3, ge=0, description="Retries of a read that failed with a transient error.")
-    retry_backoff_s: float = Field(default=0.05, ge=0, description="First retry delay, seconds; doubles each retry.")
+    cache: CacheConfig = Field(
+        default_factory=CacheConfig,
+        description="Cache tiers (RAM, NVMe) and origin reads (timeouts, retries, latency monitor, I/O threads).",
+    )
     error_budget: float = Field(
         default=0.01, ge=0, le=1, description="Fraction of samples that may fail before the feed stops with an error."
     )

@@ -25,7 +25,6 @@ class FeedMetrics:
         self._batches = 0
         self._samples = 0
         self._wait_s = 0.0
-        self._retries = 0
 
     def decoded(self, modality: str, seconds: float, bytes_read: int) -> None:
         """One field fetched and decoded in ``seconds``."""
@@ -39,11 +38,6 @@ class FeedMetrics:
         with self._lock:
             per = self._bad.setdefault(modality, {})
             per[reason] = per.get(reason, 0) + 1
-
-    def retried(self) -> None:
-        """One read retried after a transient error."""
-        with self._lock:
-            self._retries += 1
 
     def delivered(self, samples: int, waited_s: float) -> None:
         """One batch handed to the consumer, who waited ``waited_s`` for it."""
@@ -78,7 +72,6 @@ class FeedMetrics:
                 "samples": self._samples,
                 "samples_per_s": self._samples / elapsed,
                 "bytes_read": self._bytes_read,
-                "read_retries": self._retries,
                 "consumer_wait_s": self._wait_s,
                 "bad_samples": sum(sum(v.values()) for v in self._bad.values()),
                 "modalities": modalities,

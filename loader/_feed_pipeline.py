@@ -4,7 +4,10 @@ micro-batches waiting for the consumer in plan order.
 Lifecycle::
 
     Pipeline(start state) ─▶ scheduler: cursor.next_step() → this rank's micro-batches
-                                   │  admit (per-modality buffers) → tasks to DecodePools
+                                   │  admit (per-modality buffers; deeper while storage is degraded)
+                                   ▼
+              I/O threads: each field through the cache chain (RAM → NVMe → origin)
+                                   │  when its bytes are in: a task to DecodePools
                                    ▼
               pending micro-batches (plan order) ─▶ next_ready() ─▶ the Feed assembles
     close(): stop the scheduler, stop the pools, join every thread (idempotent)
@@ -15,9 +18,9 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from concurrent.futures import ProcessPoolExecutor
-from multiprocessing import get_context
 from collections.abc import Callable, Mapping
+from concurrent.futures import CancelledError, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from multiprocessing import get_context
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +36,8 @@ from ._index import IndexedSample, SampleIndex
 from ._plan import MicroBatch, Plan
 from ._pools import DecodePools
 from ._records import FieldLocation
-from ._fetch import TRANSIENT, Decoder, fetch_and_decode, fetch_and_decode_in_process, from_process
+from ._fetch import Decoder, decode_in_process, from_process
+from ._field_source import FieldSource, Loaded
 
 
 @dataclass
@@ -85,11 +89,13 @@ def tensor_bytes(value: Any) -> int:
 
 
 class FieldReader:
-    """Fetches and decodes one field into a slot, in this thread or in the modality's worker processes."""
+    """Loads fields through the cache chain in I/O threads and decodes them in this thread or in worker processes."""
 
-    def __init__(self, config: FeedConfig, decoders: Mapping[str, Decoder], metrics: FeedMetrics,
+    def __init__(self, config: FeedConfig, decoders: Mapping[str, Decoder], metrics: FeedMetrics, namespace: str,
                  custom: frozenset[str] = frozenset()) -> None:
         self.config, self.decoders, self.metrics = config, decoders, metrics
+        self.source = FieldSource(config.cache, namespace, config.decode, custom)
+        self._io = ThreadPoolExecutor(config.cache.remote.io_threads, thread_name_prefix="omnifeed-io")
         self._executors: dict[str, ProcessPoolExecutor] = {}
         context = get_context("forkserver")  # workers fork from a clean server, not from this threaded process
         context.set_forkserver_preload(["omnifeed.loader"])
@@ -98,36 +104,46 @@ class FieldReader:
             if processes and modality not in custom:  # a user's decoder may not pickle: it runs in threads
                 self._executors[modality] = ProcessPoolExecutor(max_workers=processes, mp_context=context)
 
-    def read(self, sample: IndexedSample, location: FieldLocation) -> tuple[Any, int]:
-        """(decoded value, bytes read); raises DecodeError, SourceError or a storage error."""
-        args = (sample.shard, location, sample.row_group, sample.row, sample.key)
-        tail = (self.config.retries, self.config.retry_backoff_s)
+    def prefetch(self, sample: IndexedSample, location: FieldLocation) -> Future[Loaded]:
+        """Start loading a field's bytes (or cached decoded value) in an I/O thread."""
+        return self._io.submit(self.source.load, sample, location)
+
+    def _decode(self, sample: IndexedSample, location: FieldLocation, data: bytes) -> Any:
         executor = self._executors.get(location.modality)
         if executor is not None:
-            future = executor.submit(fetch_and_decode_in_process, *args, self.config.decode, *tail)
-            value, read, retried = future.result()
-            value = from_process(value)
-        else:
-            value, read, retried = fetch_and_decode(*args, self.decoders.get(location.modality), *tail)
-        for _ in range(retried):
-            self.metrics.retried()
-        return value, read
+            return from_process(executor.submit(decode_in_process, location.modality, data, sample.key,
+                                                self.config.decode).result())
+        decoder = self.decoders.get(location.modality)
+        return data if decoder is None else decoder(data, sample.key)
 
-    def fill(self, slot: Slot, modality: str, location: FieldLocation) -> int:
-        """Read and decode one field into ``slot``; a failure is recorded on the slot. Returns bytes held."""
+    def fill(self, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None = None) -> int:
+        """Decode one field into ``slot`` (loading it now unless ``loading`` did); a failure is recorded on the slot.
+
+        Returns the bytes the decoded value holds.
+        """
         if slot.failure is not None:  # another field of the sample failed: it will be replaced anyway
             return 0
         started = time.perf_counter()
+        sample = slot.sample
         try:
-            value, read = self.read(slot.sample, location)
+            kind, payload = loading.result() if loading is not None else self.source.load(sample, location)
+            if kind == "decoded":
+                value, read = payload, 0
+            else:
+                value, read = self._decode(sample, location, payload), len(payload)
+                self.source.remember(sample, location, value)
+        except CancelledError:  # the pipeline is closing
+            return 0
         except DecodeError as exc:
-            slot.failure = SampleFailure(slot.sample.key, slot.sample.shard.url, modality, exc.reason, str(exc))
+            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, exc.reason, str(exc))
             return 0
         except SourceError as exc:
-            slot.failure = SampleFailure(slot.sample.key, slot.sample.shard.url, modality, "read", str(exc))
+            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, "read", str(exc))
             return 0
-        except (*TRANSIENT, OSError) as exc:
-            slot.failure = SampleFailure(slot.sample.key, slot.sample.shard.url, modality, "storage", f"{type(exc).__name__}: {exc}")
+        except MemoryError:
+            raise
+        except Exception as exc:  # storage errors after the remote tier's retries, from any fsspec backend
+            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, "storage", f"{type(exc).__name__}: {exc}")
             return 0
         self.metrics.decoded(modality, time.perf_counter() - started, read)
         if modality == "meta":
@@ -136,11 +152,17 @@ class FieldReader:
             slot.decoded[modality] = value
         return tensor_bytes(value)
 
+    def read_ahead(self) -> int:
+        """How many times the usual depth to read ahead now (more while origin storage is degraded)."""
+        return self.config.cache.remote.degraded_read_ahead if self.source.degraded else 1
+
     def close(self) -> None:
-        """Shut the worker processes down and wait for them (idempotent)."""
+        """Stop the I/O threads and the worker processes and wait for them (idempotent)."""
+        self._io.shutdown(wait=True, cancel_futures=True)
         for executor in self._executors.values():
             executor.shutdown(wait=True, cancel_futures=True)
         self._executors.clear()
+        self.source.close()
 
 
 class Pipeline:
@@ -158,6 +180,7 @@ class Pipeline:
         self._max_pending = config.prefetch_steps * grad_accum
         self._stopping = threading.Event()
         self._error: BaseException | None = None
+        self._loading: set[Future[Loaded]] = set()
         self.pools = DecodePools(config, self._fail)
         self._scheduler = threading.Thread(target=self._schedule, name="omnifeed-scheduler", daemon=True)
         self._scheduler.start()
@@ -171,7 +194,11 @@ class Pipeline:
         try:
             while not self._stopping.is_set():
                 with self._cond:
-                    while len(self._pending) >= self._max_pending and not self._stopping.is_set():
+                    while not self._stopping.is_set():
+                        depth = self.reader.read_ahead()
+                        self.pools.read_ahead = depth
+                        if len(self._pending) < self._max_pending * depth:
+                            break
                         self._cond.wait(0.1)
                 if self._stopping.is_set():
                     return
@@ -188,28 +215,39 @@ class Pipeline:
             self._fail(exc)
 
     def _enqueue(self, pending: PendingBatch) -> bool:
-        tasks = []
+        fields: list[tuple[Slot, str, FieldLocation]] = []
         for sample in self.index.samples(pending.micro_batch.positions):
             slot = Slot(sample.position, sample)
             pending.slots.append(slot)
             for modality, location in fields_to_decode(slot.sample):
                 pending.counts[modality] = pending.counts.get(modality, 0) + 1
-                tasks.append((modality, self._task(pending, slot, modality, location)))
-        pending.remaining = len(tasks)
+                fields.append((slot, modality, location))
+        pending.remaining = len(fields)
         if not self.pools.admit(pending.counts, self._stopping):
             return False
         with self._cond:
             self._pending.append(pending)
             self._cond.notify_all()
-        for modality, task in tasks:
-            self.pools.submit(modality, task)
+        for slot, modality, location in fields:
+            loading = self.reader.prefetch(slot.sample, location)
+            with self._cond:
+                self._loading.add(loading)
+            loading.add_done_callback(self._loaded(modality, self._task(pending, slot, modality, location, loading)))
         return True
 
-    def _task(self, pending: PendingBatch, slot: Slot, modality: str, location: FieldLocation) -> Callable[[], int]:
+    def _loaded(self, modality: str, task: Callable[[], int]) -> Callable[[Future[Loaded]], None]:
+        def hand_to_decoder(loading: Future[Loaded]) -> None:
+            with self._cond:
+                self._loading.discard(loading)
+            self.pools.submit(modality, task)
+        return hand_to_decoder
+
+    def _task(self, pending: PendingBatch, slot: Slot, modality: str, location: FieldLocation,
+              loading: Future[Loaded]) -> Callable[[], int]:
         def run() -> int:
             nbytes = 0
             try:
-                nbytes = self.reader.fill(slot, modality, location)
+                nbytes = self.reader.fill(slot, modality, location, loading)
             finally:
                 with self._cond:
                     pending.nbytes[modality] = pending.nbytes.get(modality, 0) + nbytes
@@ -240,6 +278,9 @@ class Pipeline:
         self._stopping.set()
         with self._cond:
             self._cond.notify_all()
+            loading = list(self._loading)
+        for future in loading:  # reads not started yet are dropped; running ones finish into closed pools
+            future.cancel()
         self.pools.close()
         if self._scheduler is not threading.current_thread():
             self._scheduler.join()

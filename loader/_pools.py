@@ -45,6 +45,7 @@ class DecodePools:
         self._ready_bytes = dict.fromkeys(FEED_MODALITIES, 0)
         self._seconds_per_task = dict.fromkeys(FEED_MODALITIES, 0.0)  # measured, moving average
         self._closed = False
+        self.read_ahead = 1  # buffer depth multiplier, raised while origin storage is degraded
         self._on_error = on_error
         self._threads: list[threading.Thread] = []
         for modality in FEED_MODALITIES:
@@ -75,7 +76,9 @@ class DecodePools:
         limit = self._limits[modality]
         if self._outstanding[modality] == 0:
             return True
-        return self._outstanding[modality] + n <= limit.buffer_samples and self._ready_bytes[modality] < limit.buffer_bytes
+        # Deeper read-ahead admits more samples, never more decoded bytes than the budget.
+        samples = limit.buffer_samples * self.read_ahead
+        return self._outstanding[modality] + n <= samples and self._ready_bytes[modality] < limit.buffer_bytes
 
     def submit(self, modality: str, task: Task) -> None:
         """Queue one admitted task of ``modality``."""

@@ -1,0 +1,409 @@
+"""The NVMe tier: an LMDB environment on local disk, byte-bounded, checksummed, shared by processes.
+
+Sub-databases: ``data`` (key → xxh3-64 checksum + bytes), ``queue`` (sequence number → key:
+insertion order, oldest first), ``meta`` (key → sequence number + size) and ``info`` (totals).
+Eviction is the same frequency-guarded FIFO as the RAM tier over a frequency sketch kept in
+``sketch.bin`` beside the environment (a shared file mapping, so every process counts into it).
+
+LMDB gives the rest: one writer at a time across processes, readers that never block,
+atomic transactions (a process killed mid-write leaves the last committed state). The
+environment is opened per process, lazily, so a tier object survives ``fork`` and pickling.
+A write that fails for lack of space (a full disk, a map that cannot grow) turns the tier
+into pass-through with one warning; entries already held are still served.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+import xxhash
+
+from ._config import NvmeTierConfig
+from ._sketch import SCAN_LIMIT, FrequencySketch, keeps_victim
+
+log = logging.getLogger(__name__)
+
+_AVERAGE_ENTRY = 64 * 1024  # sizing assumption for the sketch
+_SKETCH_HEADER = 64
+_META = struct.Struct("<QQ")  # sequence number, accounted size
+_MAX_ENTRY_FRACTION = 0.125
+_NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+
+_ENVIRONMENTS: dict[tuple[int, str], tuple[lmdb.Environment, int]] = {}
+_ENVIRONMENTS_LOCK = threading.Lock()
+
+
+def _checksum(key: bytes, value: bytes | memoryview) -> bytes:
+    return xxhash.xxh3_64_digest(value, seed=int.from_bytes(key[:8], "little"))
+
+
+class _Gate:
+    """Many transactions at once, or one map resize alone (LMDB forbids resizing under live transactions)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._resizing = False
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            while self._resizing:
+                self._cond.wait()
+            self._resizing = True
+            while self._active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._resizing = False
+                self._cond.notify_all()
+
+
+class NvmeTier:
+    """Byte-bounded LMDB cache of immutable entries keyed by 16-byte digests."""
+
+    def __init__(self, config: NvmeTierConfig) -> None:
+        self.config = config
+        self.path = Path(config.path)
+        self.capacity = config.capacity_bytes
+        self.max_map = config.max_map_bytes or 4 * config.capacity_bytes
+        self._max_entry = int(self.capacity * _MAX_ENTRY_FRACTION)
+        self._pid = -1
+        self._env: lmdb.Environment | None = None
+        self._gate = _Gate()
+        self._write_lock = threading.Lock()
+        self.degraded: str | None = None
+        self._stats = {"hits": 0, "misses": 0, "bytes_hit": 0, "puts": 0, "bytes_put": 0, "rejected": 0,
+                       "evicted": 0, "reinserted": 0, "too_large": 0, "corrupt": 0, "map_grown": 0}
+        self._stats_lock = threading.Lock()
+        self._open()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def _open(self) -> None:
+        self._pid = os.getpid()
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._env = self._environment()
+            self._data = self._env.open_db(b"data")
+            self._queue = self._env.open_db(b"queue")
+            self._meta = self._env.open_db(b"meta")
+            self._info = self._env.open_db(b"info")
+            self._open_sketch()
+        except (OSError, lmdb.Error) as exc:
+            self._env = None
+            self._degrade(f"cannot open it: {exc}")
+
+    def _environment(self) -> lmdb.Environment:
+        # One environment per process and path: LMDB must not open the same file twice in a process.
+        key = (os.getpid(), str(self.path.resolve()))
+        with _ENVIRONMENTS_LOCK:
+            for inherited in [k for k in _ENVIRONMENTS if k[0] != key[0]]:
+                # opened by the parent before a fork: release the child's copy (py-lmdb only
+                # unmaps it) so this process can open the environment for itself
+                _ENVIRONMENTS.pop(inherited)[0].close()
+            env, users = _ENVIRONMENTS.get(key, (None, 0))
+            if env is None:
+                initial = min(self.max_map, max(2 * self.capacity, 64 * 2**20))
+                env = lmdb.open(str(self.path), map_size=initial, max_dbs=4, max_readers=1024, readahead=False,
+                                meminit=False, sync=False, metasync=False)
+            _ENVIRONMENTS[key] = (env, users + 1)
+            return env
+
+    def _open_sketch(self) -> None:
+        width = FrequencySketch.width_for(self.capacity // _AVERAGE_ENTRY)
+        path = self.path / "sketch.bin"
+        size = _SKETCH_HEADER + FrequencySketch.nbytes(width)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size != size:  # new, or sized for another capacity: start counting afresh
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        mapping = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
+        self._sketch_ops = mapping[:8].view("<u8")
+        self._sketch = FrequencySketch(mapping[_SKETCH_HEADER:], width, sample_size=10 * max(1024, self.capacity // _AVERAGE_ENTRY))
+
+    def _ready(self) -> bool:
+        if self._pid != os.getpid():  # forked or unpickled: this process opens its own environment
+            self._open()
+        return self._env is not None
+
+    def close(self) -> None:
+        """Close this process's handle (idempotent)."""
+        env, self._env = self._env, None
+        if env is None or self._pid != os.getpid():
+            return
+        key = (self._pid, str(self.path.resolve()))
+        with _ENVIRONMENTS_LOCK:
+            _, users = _ENVIRONMENTS.get(key, (env, 1))
+            if users <= 1:
+                _ENVIRONMENTS.pop(key, None)
+                env.close()
+            else:
+                _ENVIRONMENTS[key] = (env, users - 1)
+
+    def __enter__(self) -> NvmeTier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["config"])  # type: ignore[misc]
+
+    def _degrade(self, why: str) -> None:
+        if self.degraded is None:
+            self.degraded = why
+            log.warning("NVMe tier %s stops caching and passes reads through: %s. Free space on that disk or "
+                        "raise nvme.max_map_bytes, then restart; entries already cached are still served.",
+                        self.path, why)
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self._stats[name] += n
+
+    # -- transactions ----------------------------------------------------------------------------
+
+    @contextmanager
+    def _txn(self, write: bool) -> Iterator[lmdb.Transaction]:
+        assert self._env is not None
+        for _ in range(3):
+            try:
+                with self._gate.shared():
+                    with self._env.begin(write=write, buffers=True) as txn:
+                        yield txn
+                return
+            except lmdb.MapResizedError:  # another process grew the map: adopt its size
+                with self._gate.exclusive():
+                    self._env.set_mapsize(0)
+        raise lmdb.MapResizedError("the map kept changing size")
+
+    def _grow(self) -> bool:
+        assert self._env is not None
+        current = self._env.info()["map_size"]
+        if current >= self.max_map:
+            return False
+        with self._gate.exclusive():
+            self._env.set_mapsize(min(self.max_map, current * 2))
+        self._count("map_grown")
+        return True
+
+    # -- public operations -------------------------------------------------------------------------
+
+    def get(self, key: bytes) -> bytes | None:
+        """The entry's bytes, or None (absent, or corrupt: then it is dropped and counted)."""
+        if not self._ready():
+            return None
+        self._touch(key)
+        try:
+            with self._txn(write=False) as txn:
+                raw = txn.get(key, db=self._data)
+                if raw is None:
+                    self._count("misses")
+                    return None
+                value = bytes(raw[8:])
+                intact = _checksum(key, value) == bytes(raw[:8])
+        except lmdb.Error as exc:
+            self._degrade(f"a read failed: {exc}")
+            return None
+        if not intact:
+            log.warning("NVMe tier %s: entry %s failed its checksum; dropped and read again from the source",
+                        self.path, key.hex())
+            self._count("corrupt")
+            self._drop(key)
+            return None
+        with self._stats_lock:
+            self._stats["hits"] += 1
+            self._stats["bytes_hit"] += len(value)
+        return value
+
+    def contains(self, key: bytes) -> bool:
+        """Whether an entry is held (not verified, not counted as an access)."""
+        if not self._ready():
+            return False
+        try:
+            with self._txn(write=False) as txn:
+                return txn.get(key, db=self._meta) is not None
+        except lmdb.Error:
+            return False
+
+    def put(self, key: bytes, value: bytes, *, accessed: bool = True) -> bool:
+        """Store an entry unless admission turns it away or the tier is degraded; True when it is held.
+
+        ``accessed``: the caller's `get` of this key just missed, so its access is already counted.
+        """
+        return self.put_many([(key, value)], accessed=accessed) == 1
+
+    def put_many(self, entries: list[tuple[bytes, bytes]], *, accessed: bool = False) -> int:
+        """Store several entries in one transaction (pre-caching); how many are held afterwards."""
+        if not self._ready() or self.degraded is not None:
+            return 0
+        with self._write_lock:  # one writer per process; LMDB serialises the processes
+            for _ in range(8):
+                try:
+                    return self._put_many(entries, accessed)
+                except lmdb.MapFullError:
+                    if not self._grow():
+                        self._degrade(f"the LMDB map is full at {self.max_map} bytes (nvme.max_map_bytes)")
+                        return 0
+                except lmdb.Error as exc:
+                    self._degrade(f"a write failed: {exc}")
+                    return 0
+                except OSError as exc:
+                    if exc.errno not in _NO_SPACE:
+                        raise
+                    self._degrade(f"a write failed: {exc}")
+                    return 0
+            self._degrade("the LMDB map kept filling up")
+            return 0
+
+    def _put_many(self, entries: list[tuple[bytes, bytes]], accessed: bool) -> int:
+        held = 0
+        counts = {"puts": 0, "bytes_put": 0, "rejected": 0, "evicted": 0, "reinserted": 0, "too_large": 0}
+        with self._txn(write=True) as txn:
+            seq, used, count = self._totals(txn)
+            if int(self._sketch_ops[0]) >= self._sketch.sample_size:
+                self._sketch_ops[0] = 0
+                self._sketch.halve()
+            for key, value in entries:
+                if txn.get(key, db=self._meta) is not None:
+                    held += 1
+                    continue
+                size = len(key) + 8 + len(value) + _META.size
+                if size > self._max_entry:
+                    counts["too_large"] += 1
+                    continue
+                newcomer = self._sketch.estimate(key) - (1 if accessed else 0)
+                room = True
+                while used + size > self.capacity:
+                    freed = self._evict_one(txn, newcomer, counts)
+                    if freed is None:
+                        room = False
+                        break
+                    seq = max(seq, freed[1])
+                    used -= freed[0]
+                    count -= 1
+                if not room:
+                    counts["rejected"] += 1
+                    continue
+                txn.put(key, _checksum(key, value) + value, db=self._data)
+                txn.put(key, _META.pack(seq, size), db=self._meta)
+                txn.put(seq.to_bytes(8, "big"), key, db=self._queue)
+                seq, used, count, held = seq + 1, used + size, count + 1, held + 1
+                counts["puts"] += 1
+                counts["bytes_put"] += len(value)
+            txn.put(b"totals", struct.pack("<QQQ", seq, used, count), db=self._info)
+        with self._stats_lock:
+            for name, n in counts.items():
+                self._stats[name] += n
+        return held
+
+    def _totals(self, txn: lmdb.Transaction) -> tuple[int, int, int]:
+        raw = txn.get(b"totals", db=self._info)
+        return struct.unpack("<QQQ", raw) if raw is not None else (0, 0, 0)
+
+    def _evict_one(self, txn: lmdb.Transaction, newcomer: int, counts: dict[str, int]) -> tuple[int, int] | None:
+        """Evict the first of the oldest entries the newcomer outranks, requeueing those before it.
+
+        Returns (bytes freed, next free sequence number), or None when none of the first
+        SCAN_LIMIT entries yields (the newcomer is turned away; nothing changes).
+        """
+        victims: list[tuple[bytes, bytes]] = []
+        with txn.cursor(db=self._queue) as cursor:
+            for seq_bytes, key in cursor:
+                victims.append((bytes(seq_bytes), bytes(key)))
+                if len(victims) == SCAN_LIMIT:
+                    break
+        chosen = next((i for i, (_, key) in enumerate(victims)
+                       if not keeps_victim(self._sketch.estimate(key), newcomer)), None)
+        if chosen is None:
+            return None
+        last = txn.cursor(db=self._queue)
+        next_seq = int.from_bytes(last.key(), "big") + 1 if last.last() else 0
+        for seq_bytes, key in victims[:chosen]:
+            size = _META.unpack(bytes(txn.get(key, db=self._meta) or b""))[1]
+            txn.delete(seq_bytes, db=self._queue)
+            txn.put(next_seq.to_bytes(8, "big"), key, db=self._queue)
+            txn.put(key, _META.pack(next_seq, size), db=self._meta)
+            next_seq += 1
+            counts["reinserted"] += 1
+        seq_bytes, key = victims[chosen]
+        size = _META.unpack(bytes(txn.get(key, db=self._meta) or b""))[1]
+        txn.delete(seq_bytes, db=self._queue)
+        txn.delete(key, db=self._meta)
+        txn.delete(key, db=self._data)
+        counts["evicted"] += 1
+        return size, next_seq
+
+    def _drop(self, key: bytes) -> None:
+        if self.degraded is not None:
+            return
+        try:
+            with self._write_lock, self._txn(write=True) as txn:
+                meta = txn.get(key, db=self._meta)
+                if meta is None:
+                    return
+                seq, size = _META.unpack(meta)
+                txn.delete(seq.to_bytes(8, "big"), db=self._queue)
+                txn.delete(key, db=self._meta)
+                txn.delete(key, db=self._data)
+                next_seq, used, count = self._totals(txn)
+                txn.put(b"totals", struct.pack("<QQQ", next_seq, used - size, count - 1), db=self._info)
+        except lmdb.Error as exc:
+            self._degrade(f"a write failed: {exc}")
+
+    def _touch(self, key: bytes) -> None:
+        self._sketch.increment(key)
+        self._sketch_ops[0] += 1
+
+    def stats(self) -> dict[str, Any]:
+        """This process's hits/misses/bytes, and the tier's occupancy (all processes)."""
+        with self._stats_lock:
+            out: dict[str, Any] = dict(self._stats)
+        entries = used = 0
+        if self._ready():
+            try:
+                with self._txn(write=False) as txn:
+                    _, used, entries = self._totals(txn)
+            except lmdb.Error:
+                pass
+        out.update(entries=entries, bytes_used=used, capacity_bytes=self.capacity, degraded=self.degraded)
+        return out
+
+    def keys(self) -> Iterator[bytes]:
+        """Every key held (for checks and tools)."""
+        if not self._ready():
+            return
+        with self._txn(write=False) as txn, txn.cursor(db=self._meta) as cursor:
+            for key in cursor.iternext(keys=True, values=False):
+                yield bytes(key)

@@ -1,0 +1,104 @@
+"""A real HTTP server over a folder with Range support and injectable latency and errors (for storage tests)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+class RangeServer:
+    """Serves ``root`` on 127.0.0.1; set ``delay_s`` / ``fail_fraction`` / ``down`` while it runs."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.delay_s = 0.0
+        self.fail_fraction = 0.0
+        self.down = False
+        self.requests = 0
+        self.failures = 0
+        self._rng = random.Random(0)
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _file(self) -> Path | None:
+                path = (server.root / self.path.lstrip("/").split("?")[0]).resolve()
+                return path if path.is_file() and server.root.resolve() in path.parents else None
+
+            def _fault(self) -> bool:
+                with server._lock:
+                    server.requests += 1
+                    failing = server.down or server._rng.random() < server.fail_fraction
+                    server.failures += failing
+                if server.delay_s:
+                    time.sleep(server.delay_s)
+                if failing:
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                return failing
+
+            def do_HEAD(self) -> None:  # noqa: N802
+                if self._fault():
+                    return
+                path = self._file()
+                if path is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(path.stat().st_size))
+                self.send_header("Accept-Ranges", "bytes")
+                self.end_headers()
+
+            def do_GET(self) -> None:  # noqa: N802
+                if self._fault():
+                    return
+                path = self._file()
+                if path is None:
+                    self.send_error(404)
+                    return
+                data = path.read_bytes()
+                header = self.headers.get("Range")
+                if header and header.startswith("bytes="):
+                    first, _, last = header[6:].partition("-")
+                    start = int(first) if first else len(data) - int(last)
+                    stop = int(last) + 1 if first and last else len(data)
+                    body = data[start:stop]
+                    self.send_response(206)
+                    self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
+                else:
+                    body = data
+                    self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Accept-Ranges", "bytes")
+                self.end_headers()
+                self.wfile.write(body)
+
+        class Server(ThreadingHTTPServer):
+            def handle_error(self, request: object, client_address: object) -> None:
+                pass  # clients that give up on a slow reply reset the connection: expected here
+
+        self._httpd = Server(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+
+    @contextmanager
+    def running(self) -> Iterator[RangeServer]:
+        """Serve until the block ends."""
+        self._thread.start()
+        try:
+            yield self
+        finally:
+            self._httpd.shutdown()
+            self._httpd.server_close()
