@@ -26,6 +26,9 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_bucketing.py
 	$(PY) benchmarks/bench_feed.py
 	$(PY) benchmarks/bench_decode.py
+	$(PY) benchmarks/bench_cache_policy.py
+	$(PY) benchmarks/bench_cache.py
+	$(PY) benchmarks/bench_dataloader.py
 
 clean:
 	rm -rf $(VENV) demo-output benchmarks/_work

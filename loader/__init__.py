@@ -1,8 +1,10 @@
-"""omnifeed.loader: sources, the sample index, the deterministic plan, the feed engine and delivery checks."""
+"""omnifeed.loader: sources, the sample index, the deterministic plan, the feed engine, the drop-in DataLoader and delivery checks."""
 
 from ._audit import CoverageReport, delivery_records, read_delivery_logs, verify_coverage
 from ._config import IndexConfig, PlanConfig
 from ._cursor import PlanCursor, Step
+from ._dataloader import DataLoader
+from ._dataloader_elastic import ElasticBatchSampler
 from ._decode import DecodeError, make_decoder
 from ._decode_config import AudioDecodeConfig, DecodeConfig, ImageDecodeConfig, TextDecodeConfig, VideoDecodeConfig
 from ._errors import IndexFormatError, OmnifeedError, SourceError, StateMismatchError
@@ -18,8 +20,10 @@ from ._sources import expand_sources, read_field
 __all__ = [
     "AudioDecodeConfig",
     "CoverageReport",
+    "DataLoader",
     "DecodeConfig",
     "DecodeError",
+    "ElasticBatchSampler",
     "Feed",
     "FeedConfig",
     "FeedError",
