@@ -19,6 +19,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -117,7 +118,7 @@ class NvmeTier:
             self._open_sketch()
         except (OSError, lmdb.Error) as exc:
             self._env = None
-            self._degrade(f"cannot open it: {exc}")
+            self._degrade(f"cannot open it: {exc}", "make nvme.path a writable local directory")
 
     def _environment(self) -> lmdb.Environment:
         # One environment per process and path: LMDB must not open the same file twice in a process.
@@ -136,19 +137,30 @@ class NvmeTier:
             return env
 
     def _open_sketch(self) -> None:
-        width = FrequencySketch.width_for(self.capacity // _AVERAGE_ENTRY)
         path = self.path / "sketch.bin"
-        size = _SKETCH_HEADER + FrequencySketch.nbytes(width)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        width = FrequencySketch.width_for(self.capacity // _AVERAGE_ENTRY)
         try:
-            if os.fstat(fd).st_size != size:  # new, or sized for another capacity: start counting afresh
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, _SKETCH_HEADER + FrequencySketch.nbytes(width))
+            finally:
+                os.close(fd)
+        except FileExistsError:
+            # Another process may have it mapped: never resize it (that would SIGBUS them).
+            # Adopt its width; the sketch only steers admission, any width works.
+            for _ in range(100):  # the creator sizes it right after creating it
+                found = (path.stat().st_size - _SKETCH_HEADER) // FrequencySketch.nbytes(1)
+                if found > 0:
+                    break
+                time.sleep(0.01)
+            if found >= 1024 and found & (found - 1) == 0:
+                width = found
+            else:
+                raise OSError(f"{path} is not a frequency sketch of this version; remove it (the cache stays valid)") from None
+        size = _SKETCH_HEADER + FrequencySketch.nbytes(width)
         mapping = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
         self._sketch_ops = mapping[:8].view("<u8")
-        self._sketch = FrequencySketch(mapping[_SKETCH_HEADER:], width, sample_size=10 * max(1024, self.capacity // _AVERAGE_ENTRY))
+        self._sketch = FrequencySketch(mapping[_SKETCH_HEADER:], width, sample_size=10 * max(1024, width // 4))
 
     def _ready(self) -> bool:
         if self._pid != os.getpid():  # forked or unpickled: this process opens its own environment
@@ -181,12 +193,11 @@ class NvmeTier:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["config"])  # type: ignore[misc]
 
-    def _degrade(self, why: str) -> None:
+    def _degrade(self, why: str, fix: str = "free space on that disk or raise nvme.max_map_bytes, then restart") -> None:
         if self.degraded is None:
             self.degraded = why
-            log.warning("NVMe tier %s stops caching and passes reads through: %s. Free space on that disk or "
-                        "raise nvme.max_map_bytes, then restart; entries already cached are still served.",
-                        self.path, why)
+            log.warning("NVMe tier %s stops caching and passes reads through: %s. To cache again: %s; entries "
+                        "already cached are still served.", self.path, why, fix)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._stats_lock:

@@ -19,7 +19,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict, dataclass, field
@@ -47,6 +47,11 @@ _ROW_GROUP_ROWS = 65536
 _SCAN_ATTEMPTS, _SCAN_BACKOFF_S = 3, 0.5
 _STAT_QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
 
+ScanResult = tuple[int, pa.Table, int, str | None]
+"""One scanned shard: (shard id, its rows, its size in bytes, the error that left it out or None)."""
+Scanner = Callable[[list[ShardSpec], IndexConfig], Iterator[ScanResult]]
+"""Scans every shard once, yielding results in any order (local processes, or Ray tasks)."""
+
 
 @dataclass
 class IndexReport:
@@ -65,13 +70,16 @@ class IndexReport:
 
 
 def build_index(
-    sources: Sequence[str], out: str | Path, config: IndexConfig | None = None, *, progress: bool = True
+    sources: Sequence[str], out: str | Path, config: IndexConfig | None = None, *, progress: bool = True,
+    scanner: Scanner | None = None,
 ) -> IndexReport:
     """Scan ``sources`` and write the index to ``out``; shards that fail are reported and left out.
 
     With ``config.workers > 1`` shards are scanned in worker processes (multiprocessing
     ``forkserver``), so a script calling this needs the usual ``if __name__ == "__main__":``
-    guard. Raises ``SourceError`` when no sample at all could be indexed.
+    guard. ``scanner`` replaces those processes (``_index_ray`` scans on a Ray cluster); the
+    index written is the same whatever order it yields shards in. Raises ``SourceError`` when
+    no sample at all could be indexed.
     """
     config = config or IndexConfig()
     out = Path(out)
@@ -88,7 +96,7 @@ def build_index(
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
-        report = _build_into(work, shards, config, errors, progress)
+        report = _build_into(work, shards, config, errors, progress, scanner or _scan_all)
         if out.exists():
             shutil.rmtree(out)
         work.rename(out)
@@ -114,31 +122,34 @@ def write_index_from_tables(
 
 
 def _build_into(
-    work: Path, shards: list[ShardSpec], config: IndexConfig, errors: list[dict[str, str]], progress: bool
+    work: Path, shards: list[ShardSpec], config: IndexConfig, errors: list[dict[str, str]], progress: bool,
+    scanner: Scanner,
 ) -> IndexReport:
     spill = _PartitionSpill(work / ".spill", config.partitions)
     shard_bytes = [0] * len(shards)
     bar = tqdm(total=len(shards), unit="shard", desc="indexing", disable=not progress, dynamic_ncols=True)
     samples = 0
-    for shard_id, table, size, error in _scan_all(shards, config):
+    failed: dict[int, str] = {}
+    for shard_id, table, size, error in scanner(shards, config):
         bar.update(1)
         if error is not None:
-            errors.append({"source": shards[shard_id].url, "error": error})
+            failed[shard_id] = error
             log.error("%s", error)
             continue
         shard_bytes[shard_id] = size
-        spill.add(table)
+        spill.add(table)  # rows are sorted per partition later: arrival order does not matter
         samples += table.num_rows
-        bar.set_postfix(samples=samples, failed=len(errors), refresh=False)
+        bar.set_postfix(samples=samples, failed=len(errors) + len(failed), refresh=False)
     bar.close()
+    errors.extend({"source": shards[i].url, "error": failed[i]} for i in sorted(failed))  # in shard order
     return _finish(work, spill, shards, shard_bytes, config, errors)
 
 
-def _scan_all(shards: list[ShardSpec], config: IndexConfig) -> Iterator[tuple[int, pa.Table, int, str | None]]:
+def _scan_all(shards: list[ShardSpec], config: IndexConfig) -> Iterator[ScanResult]:
     """Scan results in shard order, from a process pool when more than one worker is configured."""
     jobs = [(i, shard, config) for i, shard in enumerate(shards)]
     if config.workers == 1 or len(shards) == 1:
-        yield from map(_scan_job, jobs)
+        yield from map(scan_job, jobs)
         return
     # forkserver: workers fork from a clean server that imported the scanner once (no threads
     # inherited from this process, unlike fork; no per-worker imports, unlike spawn)
@@ -146,7 +157,7 @@ def _scan_all(shards: list[ShardSpec], config: IndexConfig) -> Iterator[tuple[in
     context.set_forkserver_preload([__name__])
     try:
         with ProcessPoolExecutor(max_workers=min(config.workers, len(shards)), mp_context=context) as pool:
-            yield from pool.map(_scan_job, jobs)
+            yield from pool.map(scan_job, jobs)
     except BrokenProcessPool as exc:
         raise OmnifeedError(
             "a scan worker process died (killed, out of memory, or crashed in a decoder); "
@@ -154,7 +165,8 @@ def _scan_all(shards: list[ShardSpec], config: IndexConfig) -> Iterator[tuple[in
         ) from exc
 
 
-def _scan_job(job: tuple[int, ShardSpec, IndexConfig]) -> tuple[int, pa.Table, int, str | None]:
+def scan_job(job: tuple[int, ShardSpec, IndexConfig]) -> ScanResult:
+    """Scan one shard (retrying storage errors) into its rows; an error is returned, never raised."""
     shard_id, shard, config = job
     try:
         scan = _scan_with_retries(shard, config)

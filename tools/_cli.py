@@ -1,4 +1,4 @@
-"""The `omnifeed` command line: demo, index, plan, verify.
+"""The `omnifeed` command line: demo, index, precache, plan, verify.
 
 Each command maps its flags one-to-one onto the typed configs of ``omnifeed.loader``.
 Exit status: 0 on success, 1 with a one-line reason on a handled error, 2 on usage errors.
@@ -9,12 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+from omnifeed.cache import NvmeTierConfig
 from omnifeed.loader import (
+    FeedConfig,
     IndexConfig,
     OmnifeedError,
     Plan,
@@ -31,8 +34,11 @@ from omnifeed.loader._cursor import Step
 from omnifeed.loader._plan_report import PlanReport
 from omnifeed.loader._index_build import default_workers
 
+from ._precache import PrecacheJob
+
 __version__ = "0.1.0"
 _STATE_FILE_KEYS = ("plan", "state")
+_FAILURES_SHOWN = 20
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -68,8 +74,31 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument("--partitions", type=int, help="Parquet partitions (default 16)")
     index.add_argument("--workers", type=int, help=f"scan processes (default {default_workers()})")
     index.add_argument("--tokenizer", help="text length measure: regex, whitespace, bytes or module:function")
+    index.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                       help="scan on the Ray cluster at ADDRESS (HOST:PORT; default: auto, the one this machine is in), "
+                       "one task per group of shards; needs pip install 'omnifeed[ray]'")
     index.add_argument("--no-progress", action="store_true", help="no progress bar")
     index.set_defaults(run=_run_index)
+
+    precache = sub.add_parser("precache", help="fill the node's NVMe cache tier from an index ahead of training (resumable)")
+    precache.add_argument("index", metavar="INDEX_DIR", help="an index written by `omnifeed index`")
+    precache.add_argument("--cache", metavar="DIR", help="NVMe tier directory, node-local (default: cache.nvme.path of --config)")
+    precache.add_argument("--config", metavar="FEED_YAML",
+                          help="the feed's config: its decode and cache settings (entries, nvme, remote) are used, "
+                          "so the feed finds every entry")
+    precache.add_argument("--decode", action="store_true",
+                          help="cache decoded values, as a feed with cache.entries: decoded reads them (default: as "
+                          "--config says, else raw bytes)")
+    precache.add_argument("--capacity", metavar="BYTES",
+                          help="tier capacity: bytes, or with K/M/G/T (x1024) or KB/MB/GB/TB (x1000), e.g. 500G "
+                          "(default: --config's, else 64G)")
+    precache.add_argument("--partitions", metavar="LIST", help="index partitions to cache, e.g. 0,3,8-11 (default: all)")
+    precache.add_argument("--workers", type=int, metavar="N", help="local worker processes (default: the CPUs, at most one per partition)")
+    precache.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                          help="run as Ray tasks, one per node and partition, on the cluster at ADDRESS (HOST:PORT; "
+                          "default: auto); needs pip install 'omnifeed[ray]'")
+    precache.add_argument("--no-progress", action="store_true", help="no progress bar")
+    precache.set_defaults(run=_run_precache)
 
     plan = sub.add_parser("plan", help="print which samples each rank receives at each step (JSON lines)")
     plan.add_argument("index", metavar="INDEX_DIR")
@@ -118,7 +147,14 @@ def _run_index(args: argparse.Namespace) -> int:
     for flag in ("partitions", "workers", "tokenizer"):
         if getattr(args, flag) is not None:
             values[flag] = getattr(args, flag)
-    report = build_index(args.sources, args.out, IndexConfig(**values), progress=not args.no_progress)
+    if args.ray is not None:
+        from omnifeed.loader._index_ray import build_index_ray
+
+        _check_ray_flags(args)
+        report = build_index_ray(args.sources, args.out, IndexConfig(**values), address=args.ray,
+                                 progress=not args.no_progress)
+    else:
+        report = build_index(args.sources, args.out, IndexConfig(**values), progress=not args.no_progress)
     summary = {"index": str(report.path), "samples": report.num_samples, "shards": report.shards,
                "fingerprint": report.fingerprint, "errors": len(report.errors)}
     print(json.dumps(summary))
@@ -129,6 +165,97 @@ def _run_index(args: argparse.Namespace) -> int:
               "Fix or remove the sources named above and re-run `omnifeed index`.", file=sys.stderr)
         return 1
     return 0
+
+
+def _check_ray_flags(args: argparse.Namespace) -> None:
+    """--ray takes a cluster address, not a path; it replaces --workers."""
+    if args.ray not in ("auto", "local") and ":" not in args.ray:
+        raise ValueError(f"--ray {args.ray}: not a Ray address (HOST:PORT, ray://HOST:PORT or auto); "
+                         "put a bare --ray after the positional arguments")
+    if args.workers is not None:
+        raise ValueError("--workers sets local processes; with --ray the cluster's CPUs do the work: drop one of them")
+
+
+def _run_precache(args: argparse.Namespace) -> int:
+    from ._precache_run import precache_local
+
+    if args.ray is not None:
+        _check_ray_flags(args)
+    index = SampleIndex(args.index)
+    job = _precache_job(args, index)
+    partitions = _partition_list(args.partitions, len(index.manifest["partitions"]))
+    if args.ray is not None:
+        from ._ray import precache_on_ray
+
+        report = precache_on_ray(job, partitions, address=args.ray, progress=not args.no_progress)
+    else:
+        workers = args.workers if args.workers is not None else default_workers()
+        report = precache_local(job, partitions, workers=min(workers, len(partitions)), progress=not args.no_progress)
+    print(json.dumps(report.summary()))
+    for failure in report.failures[:_FAILURES_SHOWN]:
+        print(f"omnifeed: warning: not cached: {failure}", file=sys.stderr)
+    counts = report.counts
+    if counts.failed > _FAILURES_SHOWN:
+        print(f"omnifeed: warning: {counts.failed - _FAILURES_SHOWN} more entries failed", file=sys.stderr)
+    if counts.not_held:
+        print(f"omnifeed: warning: the tier turned away {counts.not_held} entries (an entry over 1/8 of the capacity, "
+              f"or the tier is full at {job.nvme.capacity_bytes} bytes): raise --capacity", file=sys.stderr)
+    reason = report.could_not_run
+    if reason is not None:
+        print(f"omnifeed: error: {reason}", file=sys.stderr)
+        return 1
+    if counts.failed:
+        print(f"omnifeed: warning: {counts.failed} entries failed and were left out (the feed reads them from the "
+              "source, or replaces the sample); fix the sources named above and run precache again", file=sys.stderr)
+    return 0
+
+
+def _precache_job(args: argparse.Namespace, index: SampleIndex) -> PrecacheJob:
+    """The precache job of the flags and the feed config: the same keys and tier the feed will use."""
+    feed = FeedConfig.from_yaml(args.config) if args.config else FeedConfig()
+    cache = feed.cache
+    if args.decode and args.config and cache.entries != "decoded":
+        raise ValueError(f"--decode, but {args.config} has cache.entries: {cache.entries}, so the feed would not read "
+                         "decoded entries: set cache.entries: decoded there (then --decode is implied), or drop --decode")
+    path = args.cache or (cache.nvme.path if cache.nvme is not None else None)
+    if path is None:
+        raise ValueError("no cache directory: pass --cache DIR, or give a --config whose cache.nvme.path is set")
+    nvme = (cache.nvme or NvmeTierConfig(path=path)).model_copy(update={"path": path})
+    if args.capacity is not None:
+        nvme = nvme.model_copy(update={"capacity_bytes": _parse_bytes(args.capacity)})
+    nvme = NvmeTierConfig(**nvme.model_dump())  # validate what the flags changed
+    entries: Literal["raw", "decoded"] = "decoded" if args.decode else cache.entries
+    return PrecacheJob(index=str(index.path), nvme=nvme, entries=entries, decode=feed.decode, remote=cache.remote)
+
+
+_BYTE_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+               "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+
+
+def _parse_bytes(text: str) -> int:
+    """``500G`` → bytes: K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024, KB/MB/GB/TB powers of 1000."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _BYTE_UNITS:
+        raise ValueError(f"--capacity {text!r}: give bytes, e.g. 500G, 64GiB or 1000000000")
+    return int(float(match.group(1)) * _BYTE_UNITS[unit])
+
+
+def _partition_list(text: str | None, count: int) -> list[int]:
+    """``0,3,8-11`` → sorted partitions; all of them when not given."""
+    if text is None:
+        return list(range(count))
+    chosen: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last if dash else first)
+        except ValueError:
+            raise ValueError(f"--partitions {text!r}: give numbers and ranges, e.g. 0,3,8-11") from None
+        if not 0 <= low <= high < count:
+            raise ValueError(f"--partitions {text!r}: {part.strip()} is outside the index's {count} partitions (0-{count - 1})")
+        chosen.update(range(low, high + 1))
+    return sorted(chosen)
 
 
 def _plan_config(args: argparse.Namespace, saved: dict[str, Any] | None) -> PlanConfig:

@@ -184,3 +184,15 @@ def test_a_tier_reopens_after_fork_and_pickling(tmp_path: Path) -> None:
     assert tier.get(key(2)) == value(2)
     copy.close()
     tier.close()
+
+
+def test_another_capacity_in_another_process_does_not_break_a_running_tier(tmp_path: Path) -> None:
+    path = str(tmp_path / "nvme")
+    with NvmeTier(NvmeTierConfig(path=path, capacity_bytes=2**30)) as tier:
+        tier.put(key(1), value(1))
+        script = ("from omnifeed.cache import NvmeTier, NvmeTierConfig; "
+                  f"t = NvmeTier(NvmeTierConfig(path={path!r}, capacity_bytes=2**20)); print(t.stats()['degraded'])")
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+        assert out.strip() == "None"
+        assert tier.get(key(1)) == value(1)  # the shared sketch was not resized under this mapping
+        assert tier.put(key(2), value(2)) and tier.get(key(2)) == value(2)
