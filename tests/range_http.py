@@ -67,17 +67,20 @@ class RangeServer:
                 if path is None:
                     self.send_error(404)
                     return
-                data = path.read_bytes()
+                total = path.stat().st_size
                 header = self.headers.get("Range")
+                start, stop = 0, total
                 if header and header.startswith("bytes="):
                     first, _, last = header[6:].partition("-")
-                    start = int(first) if first else len(data) - int(last)
-                    stop = int(last) + 1 if first and last else len(data)
-                    body = data[start:stop]
+                    start = int(first) if first else total - int(last)
+                    stop = min(total, int(last) + 1) if first and last else total
+                with open(path, "rb") as f:  # only the range: shards are large, requests many
+                    f.seek(start)
+                    body = f.read(stop - start)
+                if header:
                     self.send_response(206)
-                    self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
+                    self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{total}")
                 else:
-                    body = data
                     self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.send_header("Accept-Ranges", "bytes")

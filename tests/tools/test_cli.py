@@ -109,6 +109,7 @@ def test_errors_are_one_line_with_nonzero_exit(tmp_path: Path) -> None:
 def test_demo_runs_end_to_end_and_verifies(tmp_path: Path) -> None:
     result = run("demo", "--out", str(tmp_path / "demo"), "--samples", "48")
     assert "OK: every sample of epoch 0 delivered exactly once" in result.stdout
+    assert "from the source files: 0" in result.stdout  # the feed ran from the pre-cached NVMe tier
 
 
 @pytest.mark.parametrize("shuffle", ["shard_block", "none"])
