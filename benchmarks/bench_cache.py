@@ -10,8 +10,8 @@ same data and the same decode:
 3. ``Feed`` NVMe-warm: second epoch after the first filled the LMDB tier (no RAM tier);
 4. ``Feed`` RAM-warm: second epoch with the RAM tier filled as well;
 5. pre-caching throughput: ``omnifeed precache`` of the whole index into an empty NVMe tier
-   against a plain copy of the same bytes (ranged reads written to local files) over the
-   same server.
+   (in this process with 16 I/O threads, and with ``--workers`` processes) against a plain
+   copy of the same fields' byte ranges to local files with 16 threads over the same server.
 
     .venv/bin/python benchmarks/bench_cache.py [--images 600] [--latency 0.02] [--workers 2]
 """
@@ -53,6 +53,7 @@ from omnifeed.loader import (  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_feed import write_images  # noqa: E402
 
+from omnifeed.loader._feed_pipeline import fields_to_decode  # noqa: E402
 from omnifeed.tools._precache import PrecacheJob  # noqa: E402
 from omnifeed.tools._precache_run import precache_local  # noqa: E402
 
@@ -102,12 +103,12 @@ def feed_epoch(feed: Feed) -> float:
 
 
 def plain_copy(index: SampleIndex, out: Path, threads: int) -> float:
-    """Bytes/s of fetching every image's byte range and writing it to a local file (no cache, no LMDB)."""
+    """Bytes/s of fetching the byte range of every field precache stores and writing it to a local file."""
     out.mkdir()
     jobs = []
     for sample in index.samples(list(range(index.num_samples))):
-        field = next(f for f in sample.fields if f.modality == "image")
-        jobs.append((sample.shard.url, field.offset, field.size, out / f"{sample.key}.jpg"))
+        for _, field in fields_to_decode(sample):  # the same fields precache fetches: the image and the meta
+            jobs.append((sample.shard.url, field.offset, field.size, out / f"{sample.key}.{field.name}"))
 
     def copy(job: tuple[str, int, int, Path]) -> int:
         url, offset, size, target = job
@@ -177,7 +178,9 @@ def main() -> None:
                                                    feed.metrics()["cache"].items() if k in ("ram", "nvme")}
 
             results["plain_copy_bytes_per_s"] = plain_copy(index, work / "copy", threads=16)
-            results["precache"] = precache_rate(work / "index", work / "precache-nvme", args.workers)
+            # like for like with the plain copy: one process, 16 reads in flight; then with worker processes
+            results["precache"] = precache_rate(work / "index", work / "precache-nvme", 1)
+            results["precache_workers"] = precache_rate(work / "index", work / "precache-nvme-2", args.workers)
         finally:
             server.kill()
         base = results["dataloader_cold"]

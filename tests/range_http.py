@@ -12,17 +12,21 @@ from pathlib import Path
 
 
 class RangeServer:
-    """Serves ``root`` on 127.0.0.1; set ``delay_s`` / ``fail_fraction`` / ``down`` while it runs."""
+    """Serves ``root`` on 127.0.0.1; set ``delay_s`` / ``fail_fraction`` / ``down`` while it runs.
+
+    ``allow``: after that many ranged reads (``served``) the next ones wait (``waiting``) until
+    `reset`; a reset drops the waiting ones, so a killed client's reads never count.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.delay_s = 0.0
         self.fail_fraction = 0.0
         self.down = False
-        self.requests = 0
-        self.failures = 0
+        self.allow: int | None = None
+        self.requests = self.failures = self.served = self.waiting = self.generation = 0
         self._rng = random.Random(0)
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -34,6 +38,21 @@ class RangeServer:
             def _file(self) -> Path | None:
                 path = (server.root / self.path.lstrip("/").split("?")[0]).resolve()
                 return path if path.is_file() and server.root.resolve() in path.parents else None
+
+            def _gate(self) -> bool:
+                """Hold a ranged read past ``allow``; False when a reset dropped it."""
+                ranged = bool(self.headers.get("Range"))
+                with server._lock:
+                    generation = server.generation
+                    while ranged and server.allow is not None and server.served >= server.allow:
+                        server.waiting += 1
+                        server._lock.wait()
+                        server.waiting -= 1
+                        if server.generation != generation:
+                            self.close_connection = True
+                            return False
+                    server.served += ranged
+                return True
 
             def _fault(self) -> bool:
                 with server._lock:
@@ -49,7 +68,7 @@ class RangeServer:
                 return failing
 
             def do_HEAD(self) -> None:  # noqa: N802
-                if self._fault():
+                if not self._gate() or self._fault():
                     return
                 path = self._file()
                 if path is None:
@@ -61,7 +80,7 @@ class RangeServer:
                 self.end_headers()
 
             def do_GET(self) -> None:  # noqa: N802
-                if self._fault():
+                if not self._gate() or self._fault():
                     return
                 path = self._file()
                 if path is None:
@@ -96,12 +115,29 @@ class RangeServer:
         self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
         self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
 
+    def reset(self, allow: int | None = None, down: bool = False) -> None:
+        """New gate and outage settings; counts start again; reads waiting at the gate are dropped."""
+        with self._lock:
+            self.allow, self.down, self.served, self.requests = allow, down, 0, 0
+            self.generation += 1
+            self._lock.notify_all()
+
+    def start(self) -> RangeServer:
+        """Serve in a background thread."""
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Release waiting reads and shut down."""
+        self.reset()
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
     @contextmanager
     def running(self) -> Iterator[RangeServer]:
         """Serve until the block ends."""
-        self._thread.start()
+        self.start()
         try:
             yield self
         finally:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+            self.stop()

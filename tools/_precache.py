@@ -151,12 +151,24 @@ def run_partition(job: PrecacheJob, partition: int) -> Generator[Counts | Partit
         task.close()
 
 
+_INDEXES: dict[str, SampleIndex] = {}
+_INDEXES_LOCK = threading.Lock()
+
+
+def _open_index(path: str) -> SampleIndex:
+    """The index, opened once per process: mapping it again for every partition cost a sixth of a run."""
+    with _INDEXES_LOCK:
+        if path not in _INDEXES:
+            _INDEXES[path] = SampleIndex(path)
+        return _INDEXES[path]
+
+
 class _PartitionTask:
     """One partition: look up, skip what is held, fetch and decode in threads, write in batches."""
 
     def __init__(self, job: PrecacheJob, partition: int) -> None:
         self.job, self.partition = job, partition
-        self.index = SampleIndex(job.index)
+        self.index = _open_index(job.index)
         self.start, self.stop = partition_span(self.index, partition)
         # a chain without tiers: keys and origin reads only; this task writes the tier itself, in batches
         self.source = FieldSource(CacheConfig(remote=job.remote, entries=job.entries), self.index.fingerprint, job.decode)

@@ -9,10 +9,8 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +23,7 @@ from omnifeed.loader._feed_pipeline import fields_to_decode
 from omnifeed.loader._field_source import FieldSource
 from omnifeed.tools._cli import _parse_bytes, main
 from omnifeed.tools._precache import partition_bytes, partition_span
+from range_http import RangeServer
 
 pytest.importorskip("aiohttp")  # fsspec's HTTP filesystem
 
@@ -32,95 +31,22 @@ OMNIFEED = str(Path(sys.executable).with_name("omnifeed"))
 CAPACITY = 256 * 2**20
 
 
-class GatedServer:
-    """HTTP with Range over a folder; counts ranged reads; past ``allow`` of them, the next ones wait."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.allow, self.down = root, None, False
-        self.served = self.waiting = self.requests = self.generation = 0
-        self.cond = threading.Condition()
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_HEAD(self) -> None:  # noqa: N802
-                self.do_GET(head=True)
-
-            def do_GET(self, head: bool = False) -> None:  # noqa: N802
-                ranged = self.headers.get("Range")
-                with server.cond:
-                    server.requests += 1
-                    generation = server.generation
-                    while ranged and server.allow is not None and server.served >= server.allow:
-                        server.waiting += 1
-                        server.cond.wait()
-                        server.waiting -= 1
-                        if server.generation != generation:  # a request of a killed client: dropped uncounted
-                            self.close_connection = True
-                            return
-                    server.served += bool(ranged)
-                path = server.root / self.path.lstrip("/")
-                if server.down or not path.is_file():
-                    self.send_response(503 if server.down else 404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
-                    return
-                data = path.read_bytes()
-                if ranged:
-                    first, _, last = ranged[len("bytes="):].partition("-")
-                    start, stop = int(first), int(last) + 1 if last else len(data)
-                    body = data[start:stop]
-                    self.send_response(206)
-                    self.send_header("Content-Range", f"bytes {start}-{start + len(body) - 1}/{len(data)}")
-                else:
-                    body = data
-                    self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.send_header("Accept-Ranges", "bytes")
-                self.end_headers()
-                if not head:
-                    self.wfile.write(body)
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-
-            def handle_error(self, request: object, client_address: object) -> None:
-                pass  # a killed client resets its connections
-
-        self.httpd = Server(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def reset(self, allow: int | None = None, down: bool = False) -> None:
-        with self.cond:
-            self.allow, self.down, self.served, self.requests = allow, down, 0, 0
-            self.generation += 1
-            self.cond.notify_all()
-
-
 @pytest.fixture(scope="module")
-def http(demo_shards: list[Path]) -> Iterator[GatedServer]:
-    server = GatedServer(demo_shards[0].parent)
-    thread = threading.Thread(target=server.httpd.serve_forever, daemon=True)
-    thread.start()
+def http(demo_shards: list[Path]) -> Iterator[RangeServer]:
+    server = RangeServer(demo_shards[0].parent).start()
     yield server
-    server.reset()
-    server.httpd.shutdown()
-    server.httpd.server_close()
+    server.stop()
 
 
 @pytest.fixture(scope="module")
-def http_index(http: GatedServer, demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> SampleIndex:
+def http_index(http: RangeServer, demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> SampleIndex:
     out = tmp_path_factory.mktemp("precache") / "index"
     build_index([f"{http.url}/{s.name}" for s in demo_shards], out, IndexConfig(partitions=3, workers=1), progress=False)
     return SampleIndex(out)
 
 
 @pytest.fixture
-def server(http: GatedServer) -> Iterator[GatedServer]:
+def server(http: RangeServer) -> Iterator[RangeServer]:
     http.reset()
     yield http
     http.reset()
@@ -150,7 +76,7 @@ def precache(*args: str) -> dict[str, Any]:
 
 
 def test_a_precache_killed_with_sigkill_resumes_without_refetching_what_it_cached(
-    server: GatedServer, http_index: SampleIndex, demo_shards: list[Path], tmp_path: Path
+    server: RangeServer, http_index: SampleIndex, demo_shards: list[Path], tmp_path: Path
 ) -> None:
     truth = expected(http_index, demo_shards[0].parent)
     start, stop = partition_span(http_index, 0)
@@ -178,7 +104,7 @@ def test_a_precache_killed_with_sigkill_resumes_without_refetching_what_it_cache
 
 
 def test_a_feed_after_precache_reads_nothing_from_the_unavailable_source(
-    server: GatedServer, http_index: SampleIndex, demo_shards: list[Path], tmp_path: Path
+    server: RangeServer, http_index: SampleIndex, demo_shards: list[Path], tmp_path: Path
 ) -> None:
     cache = tmp_path / "nvme"
     summary = precache(str(http_index.path), "--cache", str(cache), "--capacity", str(CAPACITY), "--workers", "2")
