@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._config import CacheConfig
+from ._errors import CacheError
 from ._nvme import NvmeTier
 from ._ram import RamTier
 from ._remote import RemoteTier
+
+log = logging.getLogger(__name__)
 
 
 class CacheTier(Protocol):
@@ -28,7 +32,10 @@ class CacheChain:
         self.config = config or CacheConfig()
         self.tiers: dict[str, CacheTier] = {}
         if self.config.ram is not None:
-            self.tiers["ram"] = RamTier(self.config.ram)
+            try:
+                self.tiers["ram"] = RamTier(self.config.ram)
+            except CacheError as exc:  # reads still work without it
+                log.warning("running without the RAM tier: %s", exc)
         if self.config.nvme is not None:
             self.tiers["nvme"] = NvmeTier(self.config.nvme)
         self.remote = RemoteTier(self.config.remote)

@@ -23,6 +23,7 @@ import fcntl
 import logging
 import mmap
 import os
+import shutil
 import tempfile
 import threading
 import weakref
@@ -73,9 +74,20 @@ def _attach(path: Path, size: int) -> tuple[mmap.mmap, bool]:
     """
     try:
         fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
-        os.ftruncate(fd, size)
     except FileExistsError:
         fd, created = os.open(path, os.O_RDWR), False
+    if created:
+        # Reserve every page now: a write into a mapped tmpfs page that cannot be allocated
+        # kills the process with SIGBUS, so a segment too big for /dev/shm must fail here.
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            free = shutil.disk_usage(path.parent).free
+            raise CacheError(f"cannot reserve {size} bytes of shared memory for the RAM tier in {path.parent} "
+                             f"({free} free: {exc.strerror}): lower cache.ram.capacity_bytes or give the node more "
+                             "shared memory (e.g. docker --shm-size)") from exc
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size), created
     finally:

@@ -170,3 +170,20 @@ def test_a_segment_survives_its_creator_and_can_be_removed(ram_config: RamTierCo
     RamTier.remove(ram_config.name)
     with RamTier(ram_config) as fresh:
         assert fresh.get(key(7)) is None
+
+
+def test_a_tier_bigger_than_the_nodes_shared_memory_is_refused_not_a_crash(caplog: pytest.LogCaptureFixture) -> None:
+    import shutil
+
+    from omnifeed.cache import CacheChain, CacheConfig, CacheError
+    from omnifeed.cache._ram import _segment_path
+
+    name = f"big-{uuid.uuid4().hex[:12]}"
+    too_big = shutil.disk_usage(_segment_path("x").parent).total * 2
+    with pytest.raises(CacheError, match="capacity_bytes"):
+        RamTier(RamTierConfig(name=name, capacity_bytes=too_big))
+    assert not _segment_path(f"omnifeed-ram-{name}").exists()
+    with caplog.at_level("WARNING"), CacheChain(CacheConfig(ram=RamTierConfig(name=name, capacity_bytes=too_big))) as chain:
+        assert "ram" not in chain.tiers and chain.get(key(1), lambda: b"origin") == b"origin"
+    assert "running without the RAM tier" in caplog.text
+    RamTier.remove(name)
