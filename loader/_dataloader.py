@@ -190,12 +190,15 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._refuse_datapipe("state_dict")
         progress = self._pending or self._progress
         if progress is None:
-            snapshot = IndexStream(self._index_sampler, self.generator).idle_snapshot()
-            progress = EpochProgress(self.num_workers, status="fresh", snapshot=snapshot)
+            stream = IndexStream(self._index_sampler, self.generator)
+            progress = EpochProgress(self.num_workers, status="fresh", snapshot=stream.idle_snapshot(),
+                                     replay=stream.idle_replay())
         return progress.state()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from ``state`` at the next ``iter()``; ``{}`` resets to a fresh start (as torchdata's).
+
+        A state saved between epochs puts the loader's and samplers' generators back at once.
 
         Raises ``ValueError`` for a state of another kind, or one that needs the same ``num_workers``;
         on the elastic path ``StateMismatchError`` for a state of another dataset length or batching.
@@ -208,6 +211,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         progress = None if not state else parse_state(state, num_workers=self.num_workers, iterable=self._is_iterable)
         if self._elastic is not None and progress is not None and progress.snapshot is not None:
             self._elastic.check_state(progress.snapshot["sampler"])  # another dataset or batching: refuse now
+        if progress is not None and progress.status != "running" and progress.replay is not None:
+            # between epochs: the generators as they were when the state was saved, now, so that a script that
+            # reseeds them before the next epoch (as it did in the saved run) still does
+            IndexStream(self._index_sampler, self.generator).restore_generators(progress.replay)
         self._close_iterators()
         self._pending = progress
         self._progress = progress
@@ -263,6 +270,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self._close_iterators()
         if self._feed is not None:
             self._feed.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickles as torch's loader does: without the weak reference to the live iterator."""
+        state = self.__dict__.copy()
+        state["_live"] = None
+        return state
 
     def __enter__(self) -> DataLoader[T_co]:
         return self

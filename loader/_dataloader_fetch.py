@@ -25,18 +25,22 @@ class BatchFetcher:
     """Fetches and collates batches of one dataset replica (in a worker or the main process)."""
 
     def __init__(self, dataset: Any, *, iterable: bool, auto_collation: bool, collate_fn: Callable[[Any], Any],
-                 drop_last: bool, state: Mapping[str, Any] | None = None, in_worker: bool = False) -> None:
+                 drop_last: bool, state: Mapping[str, Any] | None = None, ended: bool = False,
+                 in_worker: bool = False) -> None:
         self.dataset = dataset
         self.iterable = iterable
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.drop_last = drop_last
-        self.ended = False
+        self.ended = ended  # an iterable dataset ran out (a resumed worker may have before the state was saved)
         # torch's collates put tensors in new shared memory inside a worker; the hand-off copies them
         # into reused segments instead, so let them allocate ordinary memory there.
         self._plain_collate = in_worker and any(collate_fn is c for c in _TORCH_COLLATES)
         if state is not None and state.get("dataset") is not None:
             dataset.load_state_dict(copy.deepcopy(state["dataset"]))
+        # the state the epoch starts from (before ``iter(dataset)``), kept by the main process; None without one
+        self.initial_state = ({"dataset": dataset.state_dict(), "iterator": None}
+                              if has_state(dataset) and not in_worker else None)
         self._iterator: Iterator[Any] | None = None
         if iterable:
             self._iterator = iter(dataset)

@@ -91,7 +91,12 @@ class LoaderIterator:
         self._profile_name = f"enumerate(DataLoader)#{type(self).__name__}.__next__"
         self._skip_batches = 0
         self.closed = False
-        self.progress = self._begin(resume, None)
+        # the dataset objects live on into the next epoch (main process, persistent workers), carrying their state
+        self._dataset_outlives_epoch = self._num_workers == 0 or loader.persistent_workers
+        # persistent workers keep their base seed across epochs: torch draws none for a later epoch
+        kept = resume.base_seed if resume is not None and resume.status == "finished" and loader.persistent_workers \
+            else None
+        self.progress = self._begin(resume, kept)
 
     def _begin(self, resume: EpochProgress | None, base_seed: int | None) -> EpochProgress:
         """Start an epoch: fresh (drawing the base seed unless given) or where ``resume`` left off."""
@@ -108,14 +113,18 @@ class LoaderIterator:
                            "epoch already yielded and drops them; give it those methods to resume directly",
                            resume.yielded)
             self._skip_batches = resume.yielded
-            self._stream.begin()
+            self._stream.begin(replay=resume.replay)
             return EpochProgress(workers, base_seed=resume.base_seed, replay=self._stream.replay)
-        if resume is not None and resume.snapshot is not None:  # a stateful sampler between epochs
-            self._stream.load_snapshot(resume.snapshot)
+        datasets: list[Any] = []
+        if resume is not None:  # a state between epochs: start the next one where it would have started
+            if resume.snapshot is not None:  # a stateful sampler
+                self._stream.load_snapshot(resume.snapshot)
+            if self._dataset_outlives_epoch:
+                datasets = resume.next_epoch_datasets()
         start = self._stream.idle_snapshot()
-        self._stream.begin()
+        self._stream.begin(draws_base_seed=base_seed is None)
         seed = draw_base_seed(self._generator) if base_seed is None else base_seed
-        return EpochProgress(workers, base_seed=seed, replay=self._stream.replay, snapshot=start)
+        return EpochProgress(workers, base_seed=seed, replay=self._stream.replay, snapshot=start, datasets=datasets)
 
     def __iter__(self) -> LoaderIterator:
         return self
@@ -139,6 +148,7 @@ class LoaderIterator:
                 self.progress.status = "finished"
                 if self.progress.snapshot is not None:  # a stateful sampler: its state between epochs
                     self.progress.snapshot = self._stream.idle_snapshot()
+                self.progress.replay = self._stream.idle_replay()  # the generators, for the next epoch
                 self._finished()
                 raise
             finally:
@@ -180,9 +190,11 @@ class SingleProcessIterator(LoaderIterator):
             raise AssertionError("timeout applies to worker processes: with num_workers=0 set timeout=0 "
                                  "(torch raises this AssertionError too)")
         super().__init__(loader, resume)
-        state = self.progress.datasets[0] if self.progress.status == "running" else None
         self._fetcher = BatchFetcher(self._dataset, iterable=self._iterable, auto_collation=self._auto_collation,
-                                     collate_fn=self._collate_fn, drop_last=self._drop_last, state=state)
+                                     collate_fn=self._collate_fn, drop_last=self._drop_last,
+                                     state=self.progress.datasets[0], ended=self.progress.ended[0])
+        if self.progress.datasets[0] is None:  # what the epoch starts from, for a state saved before its first batch
+            self.progress.datasets[0] = self._fetcher.initial_state
 
     def _next_data(self) -> Any:
         task, index = self._stream.pulled, self._stream.pull()
@@ -193,12 +205,12 @@ class SingleProcessIterator(LoaderIterator):
             data = self._fetcher.fetch(index)
         except StopIteration:
             if self._iterable:
-                self.progress.worker_ended(task, 0)
+                self.progress.worker_ended(task, 0, self._fetcher.state())
             raise
         except BaseException:
             self.progress.delivered(task, 0, None, yielded=False)
             raise
-        self.progress.delivered(task, 0, self._fetcher.state(), yielded=True)
+        self.progress.delivered(task, 0, self._fetcher.state(), yielded=True, ended=self._fetcher.ended)
         return self._pin(data)
 
     def redeal(self) -> None:

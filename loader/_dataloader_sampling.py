@@ -8,7 +8,8 @@ chosen from the sampler:
   has ``state_dict``/``load_state_dict``. Its state after each task is snapshotted; loading the snapshot
   of the last consumed task continues after it.
 - ``fixed``: the order needs no randomness (``SequentialSampler``, ``DistributedSampler`` at a given
-  epoch, the endless sampler of an iterable dataset): iterate again and skip the consumed tasks.
+  epoch, the endless sampler of an iterable dataset): iterate again and skip the consumed tasks. The
+  loader's generator (the base seed's), if given, is captured and restored as in ``rng``.
 - ``seeded``: torch's ``RandomSampler`` without a generator draws one 64-bit seed from the global RNG as
   its iteration starts. That seed is read without consuming it; a replay iterates a copy of the sampler
   whose generator is seeded with it. The state is one integer.
@@ -18,9 +19,13 @@ chosen from the sampler:
   where torch draws it, skips the consumed tasks, and puts the global RNG back as it found it. Exact for
   samplers that draw their randomness as their iteration starts, as all of torch's do.
 
-Replay info (``replay``): ``None`` (nothing to replay yet, or ``fixed``), or a dict with ``seed``
-(``seeded``: int, or None before the first pull), ``global_rng`` (base64 of the global torch RNG state,
-or None) and ``generators`` (base64 states of the captured generators, in a fixed order).
+Replay info (``replay``): ``None`` (nothing to replay, as for ``fixed`` without a generator), or a dict
+with ``seed`` (``seeded``: int, or None before the first pull), ``global_rng`` (base64 of the global
+torch RNG state, or None), ``generators`` (base64 states of the captured generators, in a fixed order),
+``draws_base_seed`` (the epoch drew the worker base seed after ``iter(sampler)``, as a new torch
+iterator does; an epoch on persistent workers does not) and ``pulled`` (the first task was pulled, so
+the sampler has made its draws). Between epochs (a ``fresh`` or ``finished`` state) only ``generators``
+matters: the states the next epoch starts from.
 """
 
 from __future__ import annotations
@@ -113,13 +118,34 @@ class IndexStream:
                 return True
         return False
 
-    def _capture(self) -> dict[str, Any]:
+    def _capture(self, draws_base_seed: bool) -> dict[str, Any]:
         reads_global = self.mode == "rng" and self._reads_global_rng()
         return {
             "seed": None,
             "global_rng": encode_rng(torch.get_rng_state()) if reads_global else None,
             "generators": [encode_rng(g.get_state()) for g in self._generators()],
+            "draws_base_seed": draws_base_seed,
+            "pulled": False,
         }
+
+    def _tracks_rng(self) -> bool:
+        """Whether an epoch keeps replay info: its sampler draws, or the loader's generator may."""
+        return self.mode in ("seeded", "rng") or (self.mode == "fixed" and bool(self._generators()))
+
+    def idle_replay(self) -> dict[str, Any] | None:
+        """Between epochs: the generators' states now, for the next epoch to start from (None without any)."""
+        if self.mode == "stateful" or not self._generators():
+            return None
+        return {**self._capture(False), "global_rng": None}
+
+    def restore_generators(self, replay: Mapping[str, Any]) -> None:
+        """Put the captured generators back in the states ``replay`` holds."""
+        generators = self._generators()
+        if len(replay["generators"]) != len(generators):
+            raise ValueError(f"the state holds {len(replay['generators'])} generator states; this loader's "
+                             f"samplers use {len(generators)}: resume with the same sampler and generator")
+        for g, text in zip(generators, replay["generators"]):
+            g.set_state(decode_rng(text))
 
     # -- an epoch -------------------------------------------------------------------------------
     def load_snapshot(self, snapshot: Mapping[str, Any]) -> None:
@@ -128,10 +154,11 @@ class IndexStream:
             self._stateful.load_state_dict(copy.deepcopy(dict(snapshot["sampler"])))
 
     def begin(self, *, consumed: int = 0, replay: Mapping[str, Any] | None = None,
-              snapshot: Mapping[str, Any] | None = None) -> None:
+              snapshot: Mapping[str, Any] | None = None, draws_base_seed: bool = True) -> None:
         """Start the epoch, positioned after ``consumed`` tasks (a resume) or at its start (fresh).
 
-        A fresh start creates the iterator only: the caller then draws the base seed, as torch does.
+        A fresh start creates the iterator only: the caller then draws the base seed, as torch does
+        (``draws_base_seed=False``: it does not, as on persistent workers).
         """
         self.pulled = 0
         self.replay = None
@@ -144,8 +171,13 @@ class IndexStream:
             self._iterator = self._replayed(self.replay, consumed)
             self._iterator_state = False
             return
-        if consumed == 0 and snapshot is None and self.mode in ("seeded", "rng"):
-            self.replay = self._capture()
+        if replay is not None and self.mode == "fixed":  # a fixed order; the loader's generator drew the base seed
+            self.replay = copy.deepcopy(dict(replay))
+            self.restore_generators(self.replay)
+            if self.replay["draws_base_seed"] and self._loader_generator is not None:
+                torch.empty((), dtype=torch.int64).random_(generator=self._loader_generator)
+        elif consumed == 0 and snapshot is None and self._tracks_rng():
+            self.replay = self._capture(draws_base_seed)
         self._iterator = iter(self.index_sampler)
         self._iterator_state = has_state(self._iterator)
         if self._iterator_state:
@@ -175,12 +207,7 @@ class IndexStream:
         Restores the captured generators (left where the epoch leaves them, as in the original run)
         and, for the replay, the global RNG (then put back as it was).
         """
-        generators = self._generators()
-        if len(replay["generators"]) != len(generators):
-            raise ValueError(f"the state holds {len(replay['generators'])} generator states; this loader's "
-                             f"samplers use {len(generators)}: resume with the same sampler and generator")
-        for g, text in zip(generators, replay["generators"]):
-            g.set_state(decode_rng(text))
+        self.restore_generators(replay)
         seeded = self.mode == "seeded"
         if seeded and replay["seed"] is None and consumed:
             raise ValueError("the state has consumed batches but no shuffle seed; was it edited by hand?")
@@ -198,11 +225,13 @@ class IndexStream:
                 self._iterator = iter(copies[0])
             else:
                 self._iterator = iter(self.index_sampler)
-            if self._loader_generator is not None or replay["global_rng"] is not None:
+            if replay["draws_base_seed"] and (self._loader_generator is not None or replay["global_rng"] is not None):
                 torch.empty((), dtype=torch.int64).random_(generator=self._loader_generator)  # torch's base seed
             for _ in range(consumed):
                 self._skip()
-            if not seeded:  # the next pull may draw too (a sampler draws on its first pull): keep it in this window
+            # the next pull may draw too (a sampler draws on its first pull): keep it in this window, unless the
+            # saved run had not pulled yet (its first pull then draws from the global RNG the caller restored)
+            if not seeded and replay["pulled"]:
                 try:
                     self._lookahead = [next(self._iterator)]
                 except StopIteration:
@@ -220,6 +249,8 @@ class IndexStream:
             if self.mode == "seeded" and self.replay is not None and self.replay["seed"] is None:
                 self.replay["seed"] = _peek_global_seed()
             index = next(self._iterator)
+        if self.replay is not None:
+            self.replay["pulled"] = True
         self.pulled += 1
         return index
 

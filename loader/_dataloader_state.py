@@ -2,7 +2,7 @@
 
 State keys (``DataLoader.state_dict()``):
 
-- ``format``: ``"omnifeed.dataloader-state/1"``.
+- ``format``: ``"omnifeed.dataloader-state/2"``.
 - ``status``: ``"fresh"`` (no epoch started since the state was made: the next ``iter()`` starts one),
   ``"running"`` (mid-epoch: the next ``iter()`` continues it) or ``"finished"`` (the epoch ended).
 - ``base_seed``: the epoch's worker base seed (workers seed ``random``, ``torch`` and ``numpy`` from
@@ -10,13 +10,15 @@ State keys (``DataLoader.state_dict()``):
 - ``yielded``: batches yielded in the epoch.
 - ``sampler``: ``consumed`` — the index sampler's tasks up to which every batch was yielded or raised;
   ``also_yielded`` — later tasks already yielded (only with ``in_order=False``); ``replay`` — how to
-  replay the epoch's order (see ``_dataloader_sampling``); ``snapshot`` — a stateful sampler's (and
-  its iterator's) state after task ``consumed``, as ``{"sampler": ..., "iterator": ...}``, else None.
+  replay the epoch's order, or between epochs the RNG states the next epoch starts from (see
+  ``_dataloader_sampling``); ``snapshot`` — a stateful sampler's (and its iterator's) state after task
+  ``consumed``, as ``{"sampler": ..., "iterator": ...}``, else None.
 - ``workers``: ``count`` (``num_workers`` when saved), ``next`` (the worker whose batch comes next, for
   iterable datasets), ``datasets`` (per worker, or one entry with no workers: the dataset's and its
-  iterator's state after that worker's last yielded batch, ``{"dataset": ..., "iterator": ...}``, or
-  None when the dataset has no state or the worker yielded nothing), ``ended`` (per worker: its
-  iterable dataset is exhausted).
+  iterator's state after that worker's last yielded batch or its end, ``{"dataset": ..., "iterator": ...}``;
+  where the dataset object outlives the epoch (no workers, persistent workers) the state it started the
+  epoch from until then; None when the dataset has no state or nothing is known), ``ended`` (per
+  worker: its iterable dataset is exhausted, also when it ended inside its last, short batch).
 
 The state is JSON-serializable whenever the dataset's and sampler's own states are.
 """
@@ -28,10 +30,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-STATE_FORMAT = "omnifeed.dataloader-state/1"
+STATE_FORMAT = "omnifeed.dataloader-state/2"
 _KEYS = {"format", "status", "base_seed", "yielded", "sampler", "workers"}
 _SAMPLER_KEYS = {"consumed", "also_yielded", "replay", "snapshot"}
 _WORKER_KEYS = {"count", "next", "datasets", "ended"}
+_REPLAY_KEYS = {"seed", "global_rng", "generators", "draws_base_seed", "pulled"}
 
 
 @dataclass
@@ -61,19 +64,24 @@ class EpochProgress:
         if snapshot is not None:
             self._pending[task] = snapshot
 
-    def delivered(self, task: int, worker: int, dataset_state: Any, *, yielded: bool) -> None:
-        """Task ``task``'s batch was yielded (or its error raised); ``dataset_state`` is that worker's state after it."""
+    def delivered(self, task: int, worker: int, dataset_state: Any, *, yielded: bool, ended: bool = False) -> None:
+        """Task ``task``'s batch was yielded (or its error raised); ``dataset_state`` is that worker's state after it;
+        ``ended``: the worker's iterable dataset ran out while filling this (short) batch."""
         if yielded:
             self.yielded += 1
             if dataset_state is not None:
                 self.datasets[worker] = dataset_state
+            if ended:
+                self.ended[worker] = True
             if self.num_workers:
                 self.next_worker = (worker + 1) % self.num_workers
         self._consume(task)
 
-    def worker_ended(self, task: int, worker: int) -> None:
-        """Task ``task`` found ``worker``'s iterable dataset exhausted."""
+    def worker_ended(self, task: int, worker: int, dataset_state: Any = None) -> None:
+        """Task ``task`` found ``worker``'s iterable dataset exhausted; ``dataset_state`` is its state then."""
         self.ended[worker] = True
+        if dataset_state is not None:
+            self.datasets[worker] = dataset_state
         self._consume(task)
 
     def skipped(self, task: int) -> None:
@@ -93,6 +101,12 @@ class EpochProgress:
             self.snapshot = self._pending[last]
         for done in [t for t in self._pending if t <= last]:
             del self._pending[done]
+
+    def next_epoch_datasets(self) -> list[Any]:
+        """The states the next epoch starts from on the same dataset objects: each worker's dataset part
+        (a new epoch calls ``iter(dataset)`` afresh, so its iterator's state is left behind)."""
+        return [{"dataset": s["dataset"], "iterator": None} if isinstance(s, Mapping) and s.get("dataset") is not None
+                else None for s in self.datasets]
 
     def forget_dispatched(self) -> None:
         """In-flight tasks were dropped (a resize or a restart): only delivered ones count."""
@@ -154,9 +168,11 @@ def parse_state(state: Mapping[str, Any], *, num_workers: int, iterable: bool) -
         raise ValueError(f"state base_seed must be an integer or None, got {base_seed!r}")
     replay = sampler["replay"]
     if replay is not None:
-        _exact_keys("the state's sampler.replay", replay, {"seed", "global_rng", "generators"})
+        _exact_keys("the state's sampler.replay", replay, _REPLAY_KEYS)
         if not isinstance(replay["generators"], list):
             raise ValueError("state sampler.replay.generators must be a list of generator states")
+        if not isinstance(replay["draws_base_seed"], bool) or not isinstance(replay["pulled"], bool):
+            raise ValueError("state sampler.replay.draws_base_seed and .pulled must be booleans")
     snapshot = sampler["snapshot"]
     if snapshot is not None:
         _exact_keys("the state's sampler.snapshot", snapshot, {"sampler", "iterator"})

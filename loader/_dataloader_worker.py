@@ -69,6 +69,7 @@ class Reply:
     batch: PackedBatch | None = None
     error: ExceptionWrapper | None = None
     dataset_state: Any = None
+    ended: bool = False  # "batch": the iterable dataset ran out while filling it
 
 
 def _seed(base_seed: int, worker_id: int) -> int:
@@ -145,8 +146,9 @@ def _serve(task: Task, fetcher: BatchFetcher, writer: SlotWriter, worker_id: int
             if not fetcher.iterable:
                 raise
             fetcher.ended = True
-            return Reply(task.task_id, task.generation, worker_id, "ended")
+            return Reply(task.task_id, task.generation, worker_id, "ended", dataset_state=fetcher.state())
         state = fetcher.state()
-        return Reply(task.task_id, task.generation, worker_id, "batch", batch=writer.pack(batch), dataset_state=state)
+        return Reply(task.task_id, task.generation, worker_id, "batch", batch=writer.pack(batch), dataset_state=state,
+                     ended=fetcher.ended)
     except Exception:
         return Reply(task.task_id, task.generation, worker_id, "error", error=ExceptionWrapper(where=where))

@@ -95,8 +95,11 @@ class WorkerPoolIterator(LoaderIterator):
 
     def restart(self) -> EpochProgress:
         """A new epoch on the same (persistent) workers; torch draws no new base seed here."""
+        finished = self.progress
         self.progress = self._begin(None, self.progress.base_seed)
-        self._start_epoch()
+        self._start_epoch()  # the workers' datasets carry their own state into the epoch ...
+        if finished.status == "finished":  # ... which is known when the last epoch ran to its end
+            self.progress.datasets = finished.next_epoch_datasets()
         return self.progress
 
     def redeal(self) -> None:
@@ -220,7 +223,7 @@ class WorkerPoolIterator(LoaderIterator):
         while True:
             task, reply = self._next_ready()
             if reply.kind == "ended":
-                self.progress.worker_ended(task, reply.worker_id)
+                self.progress.worker_ended(task, reply.worker_id, reply.dataset_state)
                 continue
             if reply.kind == "error":
                 self.progress.delivered(task, reply.worker_id, None, yielded=False)
@@ -232,7 +235,7 @@ class WorkerPoolIterator(LoaderIterator):
                 self._metrics.pickled_batches += 1
             else:
                 self._metrics.shared_memory_batches += 1
-            self.progress.delivered(task, reply.worker_id, reply.dataset_state, yielded=True)
+            self.progress.delivered(task, reply.worker_id, reply.dataset_state, yielded=True, ended=reply.ended)
             return self._pin(data)
 
     # -- lifecycle ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import random
 import signal
 import time
@@ -412,3 +413,11 @@ def test_worker_batches_equal_main_process_batches(Loader: Any) -> None:
         here = [plain(b) for b in Loader(Squares(), batch_size=4)]
         there = [plain(b) for b in Loader(Squares(), batch_size=4, num_workers=2)]
     assert here == there
+
+
+@pytest.mark.parametrize("Loader", LOADERS)
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_pickles_after_iterating(Loader: Any, num_workers: int) -> None:
+    loader = Loader(Squares(), batch_size=4, num_workers=num_workers)
+    first = [b["i"].tolist() for b in loader]
+    assert [b["i"].tolist() for b in pickle.loads(pickle.dumps(loader))] == first

@@ -169,6 +169,58 @@ def assert_resumes_everywhere(make: Callable[[], DataLoader[Any]], *, seed: int 
         assert head + [values(b) for b in resumed] == expected, f"resumed after {stop} batches"
 
 
+def assert_resumes_across_epochs(make: Callable[[], DataLoader[Any]], points: list[tuple[int, int | None]],
+                                 *, epochs: int = 2, seed: int = 0) -> None:
+    """For each point ``(epoch, stop)``, ``stop`` batches into ``epoch`` (None: after its StopIteration), the
+    batches before it and those of a new loader loaded with the state (and the global RNG saved with it) equal
+    ``epochs`` uninterrupted epochs."""
+    torch.manual_seed(seed)
+    loader = make()
+    expected = [[values(b) for b in loader] for _ in range(epochs)]
+    for epoch, stop in points:
+        torch.manual_seed(seed)
+        loader = make()
+        got = [[values(b) for b in loader] for _ in range(epoch)]
+        iterator = iter(loader)
+        got.append([values(b) for b in iterator] if stop is None else [values(next(iterator)) for _ in range(stop)])
+        state, rng = json.loads(json.dumps(loader.state_dict())), torch.get_rng_state()
+        del iterator
+        loader.close()
+        torch.manual_seed(seed + 1000)
+        resumed = make()
+        resumed.load_state_dict(state)
+        torch.set_rng_state(rng)
+        if stop is not None:
+            got[-1] += [values(b) for b in resumed]
+        got += [[values(b) for b in resumed] for _ in range(epoch + 1, epochs)]
+        resumed.close()
+        assert got == expected, f"resumed at batch {stop} of epoch {epoch}"
+
+
+class Rewinding(IterableDataset):
+    """Stateful iterable that rewinds when exhausted and rotates its items by its epoch count (kept in its state);
+    with 2 workers worker 0 ends exactly at a batch's end and worker 1 inside a short batch."""
+
+    def __init__(self) -> None:
+        self.epoch, self.position = 0, 0
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        items = list(range(worker, 11, workers))
+        items = items[self.epoch % len(items):] + items[:self.epoch % len(items)]
+        while self.position < len(items):
+            self.position += 1
+            yield 100 * self.epoch + items[self.position - 1]
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("options", [{}, {"shuffle": True}, {"shuffle": True, "drop_last": True}],
                          ids=["sequential", "shuffle", "shuffle-drop-last"])
@@ -263,6 +315,58 @@ def test_persistent_workers_resume_and_continue_with_later_epochs() -> None:
     assert_resumes_everywhere(make, points=[2])
     loader = make()
     assert len([b for b in loader]) == len([b for b in loader]) == 6
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_state_between_epochs_continues_the_loaders_generator(num_workers: int) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Numbers(), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(4),
+                          num_workers=num_workers)
+
+    assert_resumes_across_epochs(make, [(0, None), (1, 0)], epochs=3)
+
+
+def test_a_generator_reseeded_after_loading_a_state_between_epochs_takes_effect() -> None:
+    generator = torch.Generator()
+    loader = DataLoader(Numbers(), batch_size=3, shuffle=True, generator=generator)
+    generator.manual_seed(1)
+    first = [b.tolist() for b in loader]
+    state = loader.state_dict()
+    generator.manual_seed(2)
+    second = [b.tolist() for b in loader]
+    resumed = DataLoader(Numbers(), batch_size=3, shuffle=True, generator=generator)
+    resumed.load_state_dict(state)
+    generator.manual_seed(2)
+    assert [b.tolist() for b in resumed] == second != first
+
+
+@pytest.mark.parametrize("generator", [False, True], ids=["global-rng", "generator"])
+def test_persistent_workers_resume_between_and_inside_later_epochs(generator: bool) -> None:
+    def make() -> DataLoader[Any]:  # Seeds: the worker seeds must stay the first epoch's
+        return DataLoader(Seeds(), batch_size=3, shuffle=True, num_workers=2, persistent_workers=True,
+                          generator=torch.Generator().manual_seed(4) if generator else None)
+
+    assert_resumes_across_epochs(make, [(0, None), (1, 2)], epochs=3)
+
+
+def test_fixed_order_with_a_generator_seeds_later_epochs_as_uninterrupted() -> None:
+    assert_resumes_across_epochs(
+        lambda: DataLoader(Seeds(), batch_size=3, num_workers=2, generator=torch.Generator().manual_seed(4)), [(0, 2)])
+
+
+@pytest.mark.parametrize("make_sampler", [lambda: WeightedRandomSampler([1.0] * 11, 11), lambda: LazyRandom(11)],
+                         ids=["weighted", "custom"])
+def test_a_state_before_the_first_batch_leaves_the_global_rng_as_uninterrupted(
+        make_sampler: Callable[[], Sampler[int]]) -> None:
+    assert_resumes_across_epochs(lambda: DataLoader(Numbers(), batch_size=4, sampler=make_sampler()), [(0, 0), (1, 0)])
+
+
+@pytest.mark.parametrize(("num_workers", "persistent"), [(0, False), (2, False), (2, True)])
+def test_iterable_state_through_a_short_last_batch_and_into_the_next_epoch(num_workers: int, persistent: bool) -> None:
+    def make() -> DataLoader[Any]:
+        return DataLoader(Rewinding(), batch_size=2, num_workers=num_workers, persistent_workers=persistent)
+
+    assert_resumes_across_epochs(make, [(0, 6), (0, None), (1, 0), (1, 5)])
 
 
 def test_state_at_epoch_end_continues_with_the_next_epoch() -> None:
