@@ -6,7 +6,7 @@ from ._errors import CacheError
 from ._keys import entry_key
 from ._nvme import NvmeTier
 from ._ram import RamTier
-from ._remote import TRANSIENT_ERRORS, LatencyMonitor, RemoteTier, is_transient
+from ._remote import TRANSIENT_ERRORS, LatencyMonitor, RemoteTier, is_local, is_transient
 
 __all__ = [
     "CacheChain",
@@ -22,5 +22,6 @@ __all__ = [
     "RemoteTierConfig",
     "TRANSIENT_ERRORS",
     "entry_key",
+    "is_local",
     "is_transient",
 ]

@@ -45,6 +45,11 @@ def is_transient(exc: BaseException) -> bool:
     return any(word in name for word in ("Timeout", "Connection", "Disconnected", "Throttl", "SlowDown"))
 
 
+def is_local(url: str) -> bool:
+    """Whether ``url`` names a file on this machine (a plain path or ``file://``)."""
+    return "://" not in url or url.startswith(("file://", "local://"))
+
+
 class LatencyMonitor:
     """Sliding-window latency percentiles of origin reads, and the degraded-storage flag they drive.
 
@@ -110,6 +115,8 @@ class RemoteTier:
     def read(self, url: str, reader: Callable[[], bytes]) -> bytes:
         """Run ``reader`` (which reads from ``url``) under the timeout, retrying transient errors (`is_transient`) with backoff.
 
+        A local file is read in the calling thread, without the time-out's thread hand-off.
+
         The last transient error propagates with a note naming the URL and the attempts;
         other errors (a missing file, a permission error) propagate at once.
         """
@@ -117,7 +124,7 @@ class RemoteTier:
         for attempt in range(config.retries + 1):
             started = time.perf_counter()
             try:
-                data = self._attempt(reader)
+                data = reader() if is_local(url) else self._attempt(reader)
             except Exception as exc:
                 if not is_transient(exc):
                     raise

@@ -37,6 +37,7 @@ from ._plan import MicroBatch, Plan
 from ._pools import DecodePools
 from ._records import FieldLocation
 from ._fetch import Decoder, decode_in_process, from_process
+from ..cache import is_local
 from ._field_source import FieldSource, Loaded
 
 
@@ -104,8 +105,15 @@ class FieldReader:
             if processes and modality not in custom:  # a user's decoder may not pickle: it runs in threads
                 self._executors[modality] = ProcessPoolExecutor(max_workers=processes, mp_context=context)
 
-    def prefetch(self, sample: IndexedSample, location: FieldLocation) -> Future[Loaded]:
-        """Start loading a field's bytes (or cached decoded value) in an I/O thread."""
+    def prefetch(self, sample: IndexedSample, location: FieldLocation) -> Future[Loaded] | None:
+        """Start loading a field's bytes (or cached decoded value) in an I/O thread; None for a local file.
+
+        A local file is read by the decode worker itself, as part of its task: reading it takes
+        less than handing it between threads (with 16 I/O threads the feed lost 40 % of its
+        local-disk throughput to thread hand-offs; benchmarks/RESULTS.md).
+        """
+        if is_local(sample.shard.url):
+            return None
         return self._io.submit(self.source.load, sample, location)
 
     def _decode(self, sample: IndexedSample, location: FieldLocation, data: bytes) -> Any:
@@ -230,9 +238,13 @@ class Pipeline:
             self._cond.notify_all()
         for slot, modality, location in fields:
             loading = self.reader.prefetch(slot.sample, location)
+            task = self._task(pending, slot, modality, location, loading)
+            if loading is None:
+                self.pools.submit(modality, task)
+                continue
             with self._cond:
                 self._loading.add(loading)
-            loading.add_done_callback(self._loaded(modality, self._task(pending, slot, modality, location, loading)))
+            loading.add_done_callback(self._loaded(modality, task))
         return True
 
     def _loaded(self, modality: str, task: Callable[[], int]) -> Callable[[Future[Loaded]], None]:
@@ -243,7 +255,7 @@ class Pipeline:
         return hand_to_decoder
 
     def _task(self, pending: PendingBatch, slot: Slot, modality: str, location: FieldLocation,
-              loading: Future[Loaded]) -> Callable[[], int]:
+              loading: Future[Loaded] | None) -> Callable[[], int]:
         def run() -> int:
             nbytes = 0
             try:
