@@ -121,14 +121,16 @@ class RemoteTier:
         other errors (a missing file, a permission error) propagate at once.
         """
         config = self.config
+        watched = not is_local(url)  # the monitor watches remote storage; local reads would only dilute it
         for attempt in range(config.retries + 1):
             started = time.perf_counter()
             try:
-                data = reader() if is_local(url) else self._attempt(reader)
+                data = self._attempt(reader) if watched else reader()
             except Exception as exc:
                 if not is_transient(exc):
                     raise
-                self.monitor.record(time.perf_counter() - started)
+                if watched:
+                    self.monitor.record(time.perf_counter() - started)
                 with self._lock:
                     self._stats["timeouts" if isinstance(exc, TimeoutError) else "errors"] += 1
                 if attempt == config.retries:
@@ -139,7 +141,8 @@ class RemoteTier:
                     self._stats["retries"] += 1
                 time.sleep(config.backoff_s * 2**attempt)
                 continue
-            self.monitor.record(time.perf_counter() - started)
+            if watched:
+                self.monitor.record(time.perf_counter() - started)
             with self._lock:
                 self._stats["reads"] += 1
                 self._stats["bytes"] += len(data)

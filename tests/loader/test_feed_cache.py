@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from omnifeed.cache import CacheConfig, NvmeTierConfig, RamTier, RamTierConfig, RemoteTierConfig
 from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
@@ -121,4 +120,3 @@ def test_remote_errors_are_retried_and_degraded_latency_reads_further_ahead(demo
                 feed.next_batch()
             assert not feed.metrics()["storage_degraded"] and feed.metrics()["read_ahead"] == 1
     assert sum(len(b["__key__"]) for b in batches) == index.num_samples
-    assert torch.is_tensor(batches[0].get("image", batches[0].get("text", {})).get("index", torch.zeros(1)))
