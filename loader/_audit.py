@@ -96,13 +96,26 @@ class CoverageReport:
         return {**asdict(self), "ok": self.ok}
 
 
+def _delivery(record: dict[str, Any]) -> tuple[Any, ...]:
+    return (record["step"], record["rank"], record["accum"], record["micro_batch"], record.get("topology_version"))
+
+
 def verify_coverage(index: SampleIndex, epoch: int, records: Iterable[dict[str, Any]]) -> CoverageReport:
-    """Check that the records deliver every sample of ``epoch`` exactly once."""
+    """Check that the records deliver every sample of ``epoch`` exactly once.
+
+    A record marked ``"reack": true`` is one a client re-sent after its service restarted,
+    not knowing whether the old service had logged it: it counts only if no record of the
+    same delivery (step, rank, accumulation micro-step, micro-batch, topology) exists.
+    """
     keys: list[str] = []
     segments: dict[str, list[tuple[int, int]]] = {}
-    for record in records:
-        if int(record["epoch"]) != epoch:
-            continue
+    chosen = [r for r in records if int(r["epoch"]) == epoch]
+    logged = {_delivery(r) for r in chosen if not r.get("reack")}
+    for record in chosen:
+        if record.get("reack"):
+            if _delivery(record) in logged:
+                continue
+            logged.add(_delivery(record))
         if "segments" not in record:
             keys.extend(record["keys"])
             continue

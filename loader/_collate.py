@@ -21,17 +21,23 @@ samples that have the modality, and ``index`` says whose they are.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 Decoded = dict[str, Any]  # modality -> decoded value; "meta" -> {field name: bytes}
+Allocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+"""Returns an uninitialized array of the shape and dtype (the service's points into shared memory)."""
 
 
-def _pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Stack tensors of equal rank, zero-padding every dimension to the largest.
+def _private(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return np.empty(shape, dtype=dtype)
+
+
+def _pad_stack(tensors: Sequence[torch.Tensor], alloc: Allocator = _private) -> torch.Tensor:
+    """Stack tensors of equal rank, zero-padding every dimension to the largest, into an array from ``alloc``.
 
     The copies go through numpy: torch would run them on its intra-op thread pool, whose
     spinning threads take the cores the decode workers are using (measured: a fifth of the
@@ -39,27 +45,38 @@ def _pad_stack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """
     arrays = [t.numpy() for t in tensors]
     shape = tuple(max(a.shape[d] for a in arrays) for d in range(arrays[0].ndim))
+    out = alloc((len(arrays), *shape), arrays[0].dtype)
     if all(a.shape == shape for a in arrays):
-        return torch.from_numpy(np.stack(arrays))
-    out = np.zeros((len(arrays), *shape), dtype=arrays[0].dtype)
+        np.stack(arrays, out=out)
+        return torch.from_numpy(out)
+    out.fill(0)
     for row, array in enumerate(arrays):
         out[(row,) + tuple(slice(0, s) for s in array.shape)] = array
     return torch.from_numpy(out)
 
 
-def _media(tensors: list[torch.Tensor], slots: list[int], name: str, length_dim: int | None) -> dict[str, Any]:
+def _int64(values: list[Any], alloc: Allocator) -> torch.Tensor:
+    source = np.asarray(values, dtype=np.int64)
+    out = alloc(source.shape, source.dtype)
+    out[...] = source
+    return torch.from_numpy(out)
+
+
+def _media(tensors: list[torch.Tensor], slots: list[int], name: str, length_dim: int | None,
+           alloc: Allocator) -> dict[str, Any]:
     """One media modality: padded tensors, lengths along ``length_dim`` (time) if any, frame sizes, rows."""
-    field: dict[str, Any] = {name: _pad_stack(tensors)}
+    field: dict[str, Any] = {name: _pad_stack(tensors, alloc)}
     if length_dim is not None:
-        field["lengths"] = torch.tensor([t.shape[length_dim] for t in tensors], dtype=torch.int64)
+        field["lengths"] = _int64([t.shape[length_dim] for t in tensors], alloc)
     if name != "samples":  # images and video frames: (height, width) of each row before padding
-        field["sizes"] = torch.tensor([list(t.shape[-2:]) for t in tensors], dtype=torch.int64)
-    field["index"] = torch.tensor(slots, dtype=torch.int64)
+        field["sizes"] = _int64([list(t.shape[-2:]) for t in tensors], alloc).reshape(len(tensors), 2)
+    field["index"] = _int64(slots, alloc)
     return field
 
 
-def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any]) -> dict[str, Any]:
-    """One micro-batch of decoded samples in the documented batch format."""
+def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any],
+            alloc: Allocator = _private) -> dict[str, Any]:
+    """One micro-batch of decoded samples in the documented batch format (tensor storage from ``alloc``)."""
     batch: dict[str, Any] = {"__key__": list(keys), "__info__": info}
     rows: dict[str, list[int]] = {}
     for slot, sample in enumerate(samples):
@@ -69,15 +86,46 @@ def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any
         slots = rows["text"]
         tokens = [samples[i]["text"][1] for i in slots]
         batch["text"] = {
-            "tokens": _pad_stack(tokens) if any(t.numel() for t in tokens) else torch.zeros((len(slots), 0), dtype=torch.int64),
-            "lengths": torch.tensor([t.numel() for t in tokens], dtype=torch.int64),
+            "tokens": _pad_stack(tokens, alloc) if any(t.numel() for t in tokens)
+            else torch.from_numpy(alloc((len(slots), 0), np.dtype(np.int64))),
+            "lengths": _int64([t.numel() for t in tokens], alloc),
             "strings": [samples[i]["text"][0] for i in slots],
-            "index": torch.tensor(slots, dtype=torch.int64),
+            "index": _int64(slots, alloc),
         }
     for modality, name, length_dim in (("image", "pixels", None), ("video", "frames", 0), ("audio", "samples", -1)):
         if modality in rows:
-            batch[modality] = _media([samples[i][modality] for i in rows[modality]], rows[modality], name, length_dim)
+            batch[modality] = _media([samples[i][modality] for i in rows[modality]], rows[modality], name, length_dim, alloc)
     if "meta" in rows:
         names = sorted({name for i in rows["meta"] for name in samples[i]["meta"]})
         batch["meta"] = {name: [s.get("meta", {}).get(name) for s in samples] for name in names}
     return batch
+
+
+def uncollate(batch: dict[str, Any]) -> list[Decoded]:
+    """The decoded samples of a collated batch, as private copies (collate's inverse, padding removed)."""
+    n = len(batch["__key__"])
+    samples: list[Decoded] = [{} for _ in range(n)]
+    if "text" in batch:
+        text = batch["text"]
+        for row, slot in enumerate(text["index"].tolist()):
+            length = int(text["lengths"][row])
+            samples[slot]["text"] = (text["strings"][row], text["tokens"][row, :length].clone())
+    for modality, name in (("image", "pixels"), ("video", "frames"), ("audio", "samples")):
+        if modality not in batch:
+            continue
+        field = batch[modality]
+        for row, slot in enumerate(field["index"].tolist()):
+            value = field[name][row]
+            if modality == "video":
+                value = value[: int(field["lengths"][row])]
+            if modality == "audio":
+                value = value[..., : int(field["lengths"][row])]
+            if "sizes" in field:
+                height, width = field["sizes"][row].tolist()
+                value = value[..., :height, :width]
+            samples[slot][modality] = value.clone()
+    for name, values in batch.get("meta", {}).items():
+        for slot, value in enumerate(values):
+            if value is not None:
+                samples[slot].setdefault("meta", {})[name] = value
+    return samples

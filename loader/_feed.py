@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import time
 import weakref
+from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 from ._audit import delivery_record
-from ._collate import collate
+from ._collate import Decoded, collate
 from ._cursor import PlanCursor
 from ._decode import make_decoder
 from ._feed_config import FeedConfig
@@ -26,8 +27,41 @@ from ._feed_pipeline import FieldReader, PendingBatch, Pipeline, Slot, fields_to
 from ._healing import ErrorBudget, FeedError, SampleFailure, fallback_positions, replacement_slot
 from ._index import SampleIndex
 from ._plan import Plan
+from ._pools import DecodePools
 
 FEED_STATE_FORMAT = "omnifeed.feed-state/1"
+
+
+def feed_state(plan: Plan, state: Mapping[str, Any] | None, *, world_size: int, grad_accum: int) -> dict[str, Any]:
+    """``state`` checked against ``plan`` and moved to this topology (a resize); the plan's start for None.
+
+    Raises ``StateMismatchError`` for another index or batching config, ``ValueError`` for a
+    malformed state, ``FeedError`` for a state in the middle of a step at another topology.
+    """
+    cursor = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
+    if state is None:
+        return {"format": FEED_STATE_FORMAT, "plan": cursor.state_dict(), "accum_done": 0}
+    if not isinstance(state, Mapping) or set(state) != {"format", "plan", "accum_done"} or state["format"] != FEED_STATE_FORMAT:
+        raise ValueError(f"not a feed state (expected keys format, plan, accum_done with format {FEED_STATE_FORMAT!r})")
+    accum_done = state["accum_done"]
+    if not isinstance(accum_done, int) or isinstance(accum_done, bool) or not 0 <= accum_done < grad_accum:
+        raise ValueError(f"feed state accum_done {accum_done!r} outside 0..{grad_accum - 1}")
+    if not isinstance(state["plan"], Mapping):
+        raise ValueError("feed state 'plan' must be a plan cursor state")
+    cursor.load_state_dict(state["plan"])
+    if accum_done and cursor.topology_version != state["plan"]["topology_version"]:
+        raise FeedError("the state is in the middle of a step; resume it at the world size it was saved with")
+    return {"format": FEED_STATE_FORMAT, "plan": cursor.state_dict(), "accum_done": accum_done}
+
+
+@dataclass
+class Taken:
+    """One micro-batch taken from the feed, before collation: decoded samples, keys, info, delivery record."""
+
+    samples: list[Decoded]
+    keys: list[str]
+    info: dict[str, Any]
+    record: dict[str, Any]
 
 
 class Feed:
@@ -54,9 +88,29 @@ class Feed:
         self._reader = FieldReader(self.config, {**chosen, **(decoders or {})}, self._metrics, self.index.fingerprint,
                                    frozenset(decoders or ()))
         self._pipeline: Pipeline | None = None
+        self._shared_pools: DecodePools | None = None
+        self._owns_reader = True
         self._audit: IO[str] | None = open(audit_log, "a", encoding="utf-8") if audit_log else None  # noqa: SIM115
         self._finalizer = weakref.finalize(self, _close_resources, [None], self._reader, self._audit)
         self._closed = False
+
+    @classmethod
+    def _sharing(cls, index: SampleIndex, config: FeedConfig, reader: FieldReader, metrics: FeedMetrics,
+                 pools: DecodePools | None, *, world_size: int, rank: int, grad_accum: int) -> Feed:
+        """A feed that uses another owner's field reader, metrics and decode pools (the service's streams)."""
+        feed = cls.__new__(cls)
+        feed.index, feed.config, feed.plan = index, config, Plan.from_index(index, config.plan)
+        cls._check_rank(world_size, rank)
+        feed.world_size, feed.rank, feed.grad_accum = world_size, rank, grad_accum
+        feed._position = PlanCursor(feed.plan, world_size=world_size, grad_accum=grad_accum).state_dict()
+        feed._accum_done = 0
+        feed._metrics = metrics
+        feed._budget = ErrorBudget(config.error_budget, config.error_budget_min_samples)
+        feed._reader, feed._pipeline, feed._shared_pools, feed._audit = reader, None, pools, None
+        feed._owns_reader = False
+        feed._finalizer = weakref.finalize(feed, _close_resources, [None], None, None)
+        feed._closed = False
+        return feed
 
     @staticmethod
     def _check_rank(world_size: int, rank: int) -> None:
@@ -74,6 +128,11 @@ class Feed:
 
     def next_batch(self) -> dict[str, Any]:
         """The next batch of this rank (crossing epochs freely)."""
+        taken = self._take()
+        return collate(taken.samples, taken.keys, taken.info)
+
+    def _take(self) -> Taken:
+        """The next micro-batch's decoded samples, info and delivery record; the position moves past it."""
         if self._closed:
             raise FeedError("the feed is closed")
         pipeline = self._running()
@@ -81,25 +140,27 @@ class Feed:
         pending = pipeline.next_ready()
         waited = time.perf_counter() - started
         try:
-            batch = self._assemble(pending)
+            taken = self._assemble(pending)
         finally:
             pipeline.release(pending)
         done = pending.accum + 1
         self._position, self._accum_done = (pending.state_after, 0) if done == self.grad_accum else (pending.state_before, done)
         self._metrics.delivered(len(pending.slots), waited)
-        return batch
+        return taken
 
     def _running(self) -> Pipeline:
         if self._pipeline is None:
             self._pipeline = Pipeline(
                 self.index, self.plan, self.config, self._reader, world_size=self.world_size, rank=self.rank,
                 grad_accum=self.grad_accum, state=self._position, skip=self._accum_done,
+                pools=self._shared_pools,
             )
             self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _close_resources, [self._pipeline], self._reader, self._audit)
+            reader = self._reader if self._owns_reader else None
+            self._finalizer = weakref.finalize(self, _close_resources, [self._pipeline], reader, self._audit)
         return self._pipeline
 
-    def _assemble(self, pending: PendingBatch) -> dict[str, Any]:
+    def _assemble(self, pending: PendingBatch) -> Taken:
         healthy = [slot.failure is None for slot in pending.slots]
         failures: list[SampleFailure] = []
         chosen: list[Slot] = []
@@ -121,12 +182,12 @@ class Feed:
         }
         if pending.micro_batch.pack is not None:  # packing: each key's token range in the pack
             info["segments"] = [[seg.start, seg.stop] for seg in pending.micro_batch.pack.segments]
+        planned = [slot.sample.key for slot in pending.slots]
+        record = {**delivery_record(pending.step, self.rank, pending.accum, pending.micro_batch, planned), "replaced": replaced}
         if self._audit is not None:
-            planned = [slot.sample.key for slot in pending.slots]
-            record = delivery_record(pending.step, self.rank, pending.accum, pending.micro_batch, planned)
-            self._audit.write(json.dumps({**record, "replaced": replaced}) + "\n")
+            self._audit.write(json.dumps(record) + "\n")
             self._audit.flush()
-        return collate([slot.decoded for slot in chosen], [slot.sample.key for slot in chosen], info)
+        return Taken([slot.decoded for slot in chosen], [slot.sample.key for slot in chosen], info, record)
 
     def _stand_in(self, failed: Slot) -> Slot:
         """A decoded sample with the same modalities to replace one whose whole micro-batch failed."""
@@ -150,17 +211,9 @@ class Feed:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (strict); another world size than the state's is a resize."""
-        if set(state) != {"format", "plan", "accum_done"} or state["format"] != FEED_STATE_FORMAT:
-            raise ValueError(f"not a feed state (expected keys format, plan, accum_done with format {FEED_STATE_FORMAT!r})")
-        accum_done = state["accum_done"]
-        if not isinstance(accum_done, int) or not 0 <= accum_done < self.grad_accum:
-            raise ValueError(f"feed state accum_done {accum_done!r} outside 0..{self.grad_accum - 1}")
-        cursor = PlanCursor(self.plan, world_size=self.world_size, grad_accum=self.grad_accum)
-        cursor.load_state_dict(state["plan"])
-        if accum_done and cursor.topology_version != state["plan"]["topology_version"]:
-            raise FeedError("the state is in the middle of a step; resume it at the world size it was saved with")
+        checked = feed_state(self.plan, state, world_size=self.world_size, grad_accum=self.grad_accum)
         self._stop_pipeline()
-        self._position, self._accum_done = cursor.state_dict(), accum_done
+        self._position, self._accum_done = checked["plan"], checked["accum_done"]
 
     def resize(self, world_size: int, rank: int, grad_accum: int | None = None) -> None:
         """Deal the following steps to ``world_size`` ranks, this one being ``rank`` (at a step boundary)."""
@@ -190,7 +243,8 @@ class Feed:
         """Stop every thread and release every resource (idempotent)."""
         self._closed = True
         self._stop_pipeline()
-        self._reader.close()
+        if self._owns_reader:
+            self._reader.close()
         self._finalizer.detach()
         if self._audit is not None:
             self._audit.close()
@@ -203,12 +257,13 @@ class Feed:
         self.close()
 
 
-def _close_resources(pipelines: list[Pipeline | None], reader: FieldReader, audit: IO[str] | None) -> None:
+def _close_resources(pipelines: list[Pipeline | None], reader: FieldReader | None, audit: IO[str] | None) -> None:
     """Safety net for a feed that is garbage-collected without ``close()``."""
     for pipeline in pipelines:
         if pipeline is not None:
             pipeline.close()
-    reader.close()
+    if reader is not None:
+        reader.close()
     if audit is not None and not audit.closed:
         audit.close()
 

@@ -10,7 +10,11 @@ Lifecycle::
                                    │  when its bytes are in: a task to DecodePools
                                    ▼
               pending micro-batches (plan order) ─▶ next_ready() ─▶ the Feed assembles
-    close(): stop the scheduler, stop the pools, join every thread (idempotent)
+    close(): stop the scheduler, close its pools owner (and the pools, if it made them), join (idempotent)
+
+Several pipelines (one per rank a sidecar serves) can share one ``DecodePools`` and one
+``FieldReader``: each takes its own owner handle with its own buffers; closing one pipeline
+leaves the shared workers and the other pipelines running.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from ._feed_metrics import FeedMetrics
 from ._healing import FeedError, SampleFailure
 from ._index import IndexedSample, SampleIndex
 from ._plan import MicroBatch, Plan
-from ._pools import DecodePools
+from ._pools import DecodePools, PoolOwner
 from ._records import FieldLocation
 from ._fetch import Decoder, decode_in_process, from_process
 from ..cache import is_local
@@ -174,10 +178,16 @@ class FieldReader:
 
 
 class Pipeline:
-    """Scheduler thread + decode pools + the ordered queue of pending micro-batches."""
+    """Scheduler thread + decode pools + the ordered queue of pending micro-batches.
+
+    ``pools``: decode workers shared with other pipelines (this pipeline takes an owner handle
+    with the buffers of ``config`` and closes only that); None makes and closes its own.
+    ``self.pools`` is this pipeline's ``PoolOwner`` either way.
+    """
 
     def __init__(self, index: SampleIndex, plan: Plan, config: FeedConfig, reader: FieldReader, *,
-                 world_size: int, rank: int, grad_accum: int, state: Mapping[str, Any], skip: int) -> None:
+                 world_size: int, rank: int, grad_accum: int, state: Mapping[str, Any], skip: int,
+                 pools: DecodePools | None = None) -> None:
         self.index, self.plan, self.config, self.reader = index, plan, config, reader
         self.rank = rank
         self.cursor = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
@@ -189,7 +199,10 @@ class Pipeline:
         self._stopping = threading.Event()
         self._error: BaseException | None = None
         self._loading: set[Future[Loaded]] = set()
-        self.pools = DecodePools(config, self._fail)
+        self._own_pools: DecodePools | None = None
+        if pools is None:
+            pools = self._own_pools = DecodePools(config)
+        self.pools: PoolOwner = pools.owner(self._fail, config)
         self._scheduler = threading.Thread(target=self._schedule, name="omnifeed-scheduler", daemon=True)
         self._scheduler.start()
 
@@ -273,6 +286,8 @@ class Pipeline:
         """The next micro-batch in plan order once all its fields are done (blocks)."""
         with self._cond:
             while self._error is None and not (self._pending and self._pending[0].remaining == 0):
+                if self._stopping.is_set():  # closed from another thread (the service closing a stream)
+                    raise FeedError("the feed was closed")
                 self._cond.wait(0.1)
             if self._error is not None:
                 raise FeedError(f"the feed stopped: {type(self._error).__name__}: {self._error}") from self._error
@@ -286,13 +301,18 @@ class Pipeline:
             self.pools.release(modality, count, pending.nbytes.get(modality, 0))
 
     def close(self) -> None:
-        """Stop the scheduler and the pools and join their threads (idempotent)."""
+        """Stop the scheduler and this pipeline's share of the pools and join their threads (idempotent).
+
+        Its queued decode tasks are dropped and its running ones waited for; shared pools keep running.
+        """
         self._stopping.set()
         with self._cond:
             self._cond.notify_all()
             loading = list(self._loading)
-        for future in loading:  # reads not started yet are dropped; running ones finish into closed pools
+        for future in loading:  # reads not started yet are dropped; running ones finish into a closed owner
             future.cancel()
         self.pools.close()
+        if self._own_pools is not None:
+            self._own_pools.close()
         if self._scheduler is not threading.current_thread():
             self._scheduler.join()

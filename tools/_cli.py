@@ -1,4 +1,4 @@
-"""The `omnifeed` command line: demo, index, precache, plan, verify.
+"""The `omnifeed` command line: demo, index, precache, serve, stats, plan, verify.
 
 Each command maps its flags one-to-one onto the typed configs of ``omnifeed.loader``.
 Exit status: 0 on success, 1 with a one-line reason on a handled error, 2 on usage errors.
@@ -67,6 +67,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=240, help="samples in the generated dataset")
     demo.set_defaults(run=_run_demo)
 
+    serve = sub.add_parser("serve", help="run the node's feed service: trainer ranks connect with FeedClient")
+    serve.add_argument("--config", required=True, help="YAML service config (index, feed, socket, metrics_port, ...)")
+    serve.add_argument("--socket", help="Unix socket path (overrides the config's)")
+    serve.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (overrides the config's; 0: any free)")
+    serve.set_defaults(run=_run_serve)
+
     index = sub.add_parser("index", help="scan sources into a hash-partitioned sample index")
     index.add_argument("sources", nargs="+", metavar="SOURCE", help="tar shards, Parquet files or folders (fsspec URLs, globs, {a..b})")
     index.add_argument("--out", required=True, help="index directory to write")
@@ -128,6 +134,14 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--epoch", type=int, required=True)
     verify.add_argument("logs", nargs="+", metavar="LOG", help="JSON-lines delivery logs ('-' for stdin)")
     verify.set_defaults(run=_run_verify)
+
+    stats = sub.add_parser("stats", help="print a running service's metrics live, and what limits throughput")
+    stats.add_argument("--address", required=True, metavar="SOCKET", help="the service's Unix socket")
+    stats.add_argument("--interval", type=_positive_seconds, default=2.0, metavar="SECONDS",
+                       help="seconds between refreshes (default 2)")
+    stats.add_argument("--once", action="store_true", help="print once and exit")
+    stats.add_argument("--json", action="store_true", help="print the raw snapshot (one JSON object per refresh)")
+    stats.set_defaults(run=_run_stats)
     return parser
 
 
@@ -341,6 +355,33 @@ def _read_state_file(path: str) -> dict[str, Any]:
     return data
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from omnifeed.loader._service import FeedService
+    from omnifeed.loader._service_config import ServiceConfig
+
+    config = ServiceConfig.from_yaml(args.config)
+    overrides = {k: v for k, v in (("socket", args.socket), ("metrics_port", args.metrics_port)) if v is not None}
+    if overrides:
+        config = config.model_copy(update=overrides)
+    service = FeedService(config)
+    stop = threading.Event()
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, lambda *_: stop.set())
+    service.start()
+    metrics = f", metrics at http://{config.metrics_host}:{service.metrics_port}/metrics" if service.metrics_port else ""
+    print(f"omnifeed: serving {config.index} at {config.socket}{metrics}", flush=True)
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        service.stop()
+    print("omnifeed: service stopped", flush=True)
+    return 0
+
+
 def _run_verify(args: argparse.Namespace) -> int:
     index = SampleIndex(args.index)
     report = verify_coverage(index, args.epoch, read_delivery_logs(args.logs, stdin=sys.stdin))
@@ -352,6 +393,42 @@ def _run_demo(args: argparse.Namespace) -> int:
     from ._demo import run_demo
 
     return run_demo(Path(args.out), samples=args.samples)
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {text}")
+    return value
+
+
+def _run_stats(args: argparse.Namespace) -> int:
+    """Print the service's metrics table (or JSON) every ``--interval`` seconds; once with ``--once``."""
+    import time
+
+    from omnifeed.loader._wire import request_metrics
+
+    from ._stats import render_stats
+
+    previous: dict[str, Any] | None = None
+    clear = sys.stdout.isatty() and not args.once and not args.json
+    try:
+        while True:
+            try:
+                snapshot = request_metrics(args.address)
+            except (OSError, EOFError) as exc:  # no socket, nobody listening, or it hung up
+                cause = "" if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)) else f" ({exc})"
+                print(f"omnifeed: error: no omnifeed service at {args.address}: start it with "
+                      f"`omnifeed serve --config FILE`{cause}", file=sys.stderr)
+                return 1
+            text = json.dumps(snapshot) if args.json else render_stats(snapshot, previous)
+            print(("\x1b[H\x1b[2J" if clear else "") + text, flush=True)
+            if args.once:
+                return 0
+            previous = snapshot
+            time.sleep(args.interval)
+    except KeyboardInterrupt:  # the way to leave the live view
+        return 0
 
 
 if __name__ == "__main__":

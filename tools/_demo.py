@@ -3,21 +3,26 @@
 Generates a small multimodal WebDataset (images, text, H.264 video, FLAC audio),
 indexes it, reads a sample back by its index location, then deals the plan to
 4 ranks, saves the state, resumes at 3 ranks, grows to 6, proves from the
-delivery log that epoch 0 reached every sample exactly once, and finally runs the
-feed: per-modality decoding into batches, with throughput and the consumer's wait.
+delivery log that epoch 0 reached every sample exactly once, pre-caches the dataset into
+the NVMe tier, and finally serves it: `omnifeed serve` and two toy trainer ranks as client
+processes, batches over shared memory, the service's audit log verified exactly-once.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
-from omnifeed.cache import CacheConfig, NvmeTierConfig
+import yaml
+
+from omnifeed.cache import NvmeTierConfig
 from omnifeed.loader import (
-    Feed,
-    FeedConfig,
     IndexConfig,
     Plan,
     PlanConfig,
@@ -29,6 +34,8 @@ from omnifeed.loader import (
     read_field,
     verify_coverage,
 )
+
+from omnifeed.loader._wire import request_metrics
 
 from ._demo_data import DemoDatasetSpec, write_webdataset
 from ._precache import PrecacheJob
@@ -109,29 +116,58 @@ def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None) -> 
     say(f"omnifeed precache {report.path} --cache {out / 'cache'}")
     say(json.dumps(precached.summary()))
 
-    say.title("7. Feed: decode epoch 0 per modality into batches (rank 0 of 1), from the NVMe tier")
-    config = FeedConfig(plan=PlanConfig(seed=0, batch_size=8), cache=CacheConfig(nvme=nvme))
-    with Feed(index, config) as feed:
-        _feed_report(say, feed)
-        tiers = feed.metrics()["cache"]
-    say(f"fields from the NVMe tier: {tiers['nvme']['hits']}, from the source files: {tiers['remote']['reads']}")
-    return 0
+    say.title("7. Serve: one service for the node, two trainer ranks over shared memory")
+    return _serve_two_ranks(say, out, report.path, index, nvme)
 
 
-def _feed_report(say: _Reporter, feed: Feed) -> None:
-    batches = list(feed)
-    metrics = feed.metrics()
-    first = batches[0]
-    say(f"{len(batches)} batches, {metrics['samples']} samples in {metrics['elapsed_s']:.2f} s "
-        f"({metrics['samples_per_s']:.0f} samples/s); the consumer waited {metrics['consumer_wait_s']:.2f} s in all")
-    shapes = ", ".join(f"{m} {tuple(first[m][t].shape)}" for m, t in
-                       (("text", "tokens"), ("image", "pixels"), ("video", "frames"), ("audio", "samples")) if m in first)
-    say(f"first batch: {len(first['__key__'])} samples; {shapes}")
-    say(f"{'modality':<8}{'decoded':>9}{'per s':>9}{'p50 ms':>9}{'p90 ms':>9}{'bad':>5}")
-    for modality, m in metrics["modalities"].items():
+def _serve_two_ranks(say: _Reporter, out: Path, index_path: Path, index: SampleIndex, nvme: NvmeTierConfig) -> int:
+    """`omnifeed serve` in a process, two toy trainer ranks as client processes, the audit log verified."""
+    socket_dir = Path(tempfile.mkdtemp(prefix="omnifeed-demo-"))  # socket paths must stay short
+    audit = out / "audit.jsonl"
+    config_path = out / "service.yaml"
+    address = str(socket_dir / "feed.sock")
+    config = {"index": str(index_path), "socket": address, "audit_log": str(audit),
+              "metrics_port": 0, "feed": {"plan": {"seed": 0, "batch_size": 8}, "cache": {"nvme": nvme.model_dump()}}}
+    config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    say(f"omnifeed serve --config {config_path}")
+    service = subprocess.Popen([sys.executable, "-m", "omnifeed.tools", "serve", "--config", str(config_path)],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert service.stdout is not None
+        say("  " + service.stdout.readline().strip())
+        ranks = [subprocess.Popen([sys.executable, "-m", "omnifeed.trainer_adapter._toy_trainer", "--address",
+                                   address, "--rank", str(rank), "--world-size", "2"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+        for rank, process in enumerate(ranks):
+            stdout, stderr = process.communicate(timeout=600)
+            if process.returncode != 0:
+                say(f"FAILED: trainer rank {rank} exited {process.returncode}: {stderr.strip()[-500:]}")
+                return 1
+            summary = json.loads(stdout.strip().splitlines()[-1])
+            say(f"  rank {rank}: {summary['steps']} steps, {summary['samples']} samples, loss {summary['loss']}, "
+                f"waited {summary['waited_s']:.2f} s, {summary['client_cpu_ms_per_batch']:.3f} ms CPU per batch "
+                "in the trainer")
+        snapshot = request_metrics(address)
+    finally:
+        service.send_signal(signal.SIGTERM)
+        service.wait(timeout=60)
+        shutil.rmtree(socket_dir, ignore_errors=True)
+    tiers = snapshot["cache"]
+    ahead = snapshot["samples"] - index.num_samples
+    say(f"service: {index.num_samples} samples of epoch 0 read and decoded once for both ranks (and {ahead} of "
+        f"epoch 1 prefetched); fields from the NVMe tier: {tiers['nvme']['hits']}, from the source files: "
+        f"{tiers['remote']['reads']}")
+    say(f"{'modality':<8}{'decoded':>9}{'p50 ms':>9}{'p90 ms':>9}{'bad':>5}")
+    for modality, m in snapshot["modalities"].items():
         latency = m["decode_latency_s"]
-        say(f"{modality:<8}{m['decoded']:>9}{m['decoded_per_s']:>9.0f}{latency['p50'] * 1e3:>9.2f}"
-            f"{latency['p90'] * 1e3:>9.2f}{sum(m['bad'].values()):>5}")
+        say(f"{modality:<8}{m['decoded']:>9}{latency['p50'] * 1e3:>9.2f}{latency['p90'] * 1e3:>9.2f}"
+            f"{sum(m['bad'].values()):>5}")
+    coverage = verify_coverage(index, 0, read_delivery_logs([audit]))
+    say(f"omnifeed verify --index {index_path} --epoch 0 {audit}")
+    say(json.dumps(coverage.to_json()))
+    say("\n" + ("OK: the service delivered epoch 0 to both ranks exactly once." if coverage.ok
+                else "FAILED: the service's audit log does not cover epoch 0 exactly once."))
+    return 0 if coverage.ok else 1
 
 
 def _describe(lengths: Any, modality: str) -> str:

@@ -1,0 +1,86 @@
+"""A real `omnifeed serve` process for tests: write its config, start it, wait for its socket, kill or stop it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from omnifeed.loader._wire import request_metrics
+
+_SERVE = "from omnifeed.tools._cli import main; raise SystemExit(main())"
+
+
+def short_socket_dir() -> Path:
+    """A fresh private directory under /tmp (socket paths must stay under 108 bytes)."""
+    return Path(tempfile.mkdtemp(prefix="of-sock-", dir="/tmp"))
+
+
+def write_config(folder: Path, index: Path, *, socket: Path, audit_log: Path | None = None,
+                 feed: dict[str, Any] | None = None, **extra: Any) -> Path:
+    """A service YAML config for ``index`` (``feed`` default: plan seed 3, batch size 4, as the feed tests use)."""
+    config: dict[str, Any] = {"index": str(index), "socket": str(socket),
+                              "feed": feed or {"plan": {"seed": 3, "batch_size": 4}}, **extra}
+    if audit_log is not None:
+        config["audit_log"] = str(audit_log)
+    path = folder / "service.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    return path
+
+
+class ServiceProcess:
+    """`omnifeed serve --config CONFIG` in a subprocess."""
+
+    def __init__(self, config: Path, socket: Path) -> None:
+        self.config, self.socket = config, socket
+        self.process: subprocess.Popen[str] | None = None
+
+    def start(self, timeout: float = 60.0) -> ServiceProcess:
+        """Start and wait until the service answers a metrics request."""
+        self.process = subprocess.Popen([sys.executable, "-c", _SERVE, "serve", "--config", str(self.config)],
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the service exited: {self.process.stdout.read() if self.process.stdout else ''}")
+            try:
+                request_metrics(str(self.socket), timeout=2.0)
+                return self
+            except OSError:
+                time.sleep(0.1)
+        raise TimeoutError("the service did not start")
+
+    @property
+    def pid(self) -> int:
+        """The service's process id."""
+        assert self.process is not None
+        return self.process.pid
+
+    def kill(self) -> None:
+        """SIGKILL, and wait for it to be gone."""
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def stop(self) -> int:
+        """SIGTERM; the exit status."""
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(timeout=30)
+
+    def output(self) -> str:
+        """What the service printed (after it stopped)."""
+        assert self.process is not None and self.process.stdout is not None
+        return self.process.stdout.read()

@@ -1,0 +1,5 @@
+"""``python -m omnifeed.tools``: the `omnifeed` command line."""
+
+from ._cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,275 @@
+"""`FeedClient`: a trainer rank's batches from the node's feed service, or from a feed in this process.
+
+The client holds its own cursor: the feed state after the last batch it yielded. When the
+service goes away (restart, crash) the client reconnects with backoff and continues from
+exactly the next micro-batch it has not yielded; a service crash costs the trainer a wait,
+never a sample. Batches are the in-process feed's format (``omnifeed.loader`` batch
+format); their tensors are views of shared memory the service wrote once, so taking a
+batch costs the trainer a header read, whatever the batch's size.
+
+A batch's memory goes back to the service when the trainer drops its last tensor (a
+finalizer on the batch's mapping), so holding on to batches is safe, only memory-hungry.
+Tensor-parallel peers map the same pages: an in-place edit of a batch is seen by them.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import socket
+import time
+import weakref
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omnifeed.loader import Feed
+from omnifeed.loader._feed import FEED_STATE_FORMAT
+from omnifeed.loader._service_arena import tensor_decoder
+from omnifeed.loader._service_config import ServiceConfig, default_socket
+from omnifeed.loader._wire import (
+    MAX_REPLY_BYTES, PROTOCOL, ProtocolError, ServiceError, check_reply, connect, decode, receive, receive_frame, send,
+)
+
+log = logging.getLogger("omnifeed.client")
+
+_FATAL_CODES = frozenset({"protocol", "fingerprint", "state", "topology", "position", "feed"})
+
+
+class FeedClient:
+    """An iterable of batches for one trainer rank, with ``state_dict()`` / ``load_state_dict()``.
+
+    ``rank``/``world_size`` are the global ones; ``dp_rank``/``dp_world_size`` the data-parallel
+    ones when tensor or context parallelism groups several ranks on one data-parallel rank
+    (default: the global ones). Peers of a data-parallel rank receive the same batches.
+    """
+
+    def __init__(self, address: str | None = None, *, rank: int = 0, world_size: int = 1, dp_rank: int | None = None,
+                 dp_world_size: int | None = None, grad_accum: int = 1, index_fingerprint: str | None = None,
+                 reconnect_timeout_s: float = 300.0, request_timeout_s: float | None = None) -> None:
+        self.address = address or default_socket()
+        self.rank, self.world_size, self.grad_accum = rank, world_size, grad_accum
+        self.dp_world_size = world_size if dp_world_size is None else dp_world_size
+        self.dp_rank = rank if dp_rank is None else dp_rank
+        if not 0 <= self.dp_rank < self.dp_world_size or not 0 <= rank < world_size or world_size % self.dp_world_size:
+            raise ValueError(f"rank {rank} of {world_size}, data-parallel rank {self.dp_rank} of {self.dp_world_size}: "
+                             "ranks must be inside their world sizes and the world a multiple of the data-parallel size")
+        self.index_fingerprint = index_fingerprint
+        self.reconnect_timeout_s, self.request_timeout_s = reconnect_timeout_s, request_timeout_s
+        self._feed: Feed | None = None
+        self._sock: socket.socket | None = None
+        self._state: dict[str, Any] | None = None
+        self._unacked: dict[str, Any] | None = None  # start of a yielded batch the service may not have audited
+        self._maps: dict[tuple[int, int], mmap.mmap] = {}
+        self._pending_fds: list[int] = []
+        self._released: list[list[int]] = []
+        self._decode = tensor_decoder(self._base)
+        self._bases: list[np.ndarray] = []
+        self.waited_s = 0.0
+        self.reconnects = 0
+        self._closed = False
+
+    @classmethod
+    def in_process(cls, config: ServiceConfig | str | Path, *, rank: int = 0, world_size: int = 1,
+                   dp_rank: int | None = None, dp_world_size: int | None = None, grad_accum: int = 1) -> FeedClient:
+        """The same interface over a feed in this process (tests, single-process jobs): no service needed."""
+        config = config if isinstance(config, ServiceConfig) else ServiceConfig.from_yaml(config)
+        client = cls(config.socket, rank=rank, world_size=world_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
+                     grad_accum=grad_accum)
+        client._feed = Feed(config.index, config.feed, world_size=client.dp_world_size, rank=client.dp_rank,
+                            grad_accum=grad_accum, audit_log=config.audit_log if client.rank == client._first_peer() else None)
+        return client
+
+    def _first_peer(self) -> int:
+        """The lowest global rank of this data-parallel rank's group (the one that audits in-process)."""
+        group = self.world_size // self.dp_world_size
+        return self.rank - self.rank % group if group > 1 else self.rank
+
+    # -- iteration -------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        start = self.epoch
+
+        def batches() -> Iterator[dict[str, Any]]:
+            while not (self._accum_done() == 0 and self.epoch > start):
+                yield self.next_batch()
+
+        return batches()
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next batch this client will yield."""
+        if self._feed is not None:
+            return self._feed.epoch
+        return int(self._current_state()["plan"]["epoch"])
+
+    def _accum_done(self) -> int:
+        if self._feed is not None:
+            return int(self._feed.state_dict()["accum_done"])
+        return int(self._current_state()["accum_done"])
+
+    def next_batch(self) -> dict[str, Any]:
+        """The next batch of this rank (crossing epochs freely); waits for, and reconnects to, the service."""
+        if self._closed:
+            raise RuntimeError("the client is closed")
+        if self._feed is not None:
+            return self._feed.next_batch()
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            try:
+                sock = self._connected(deadline)
+                started = time.perf_counter()
+                before = self._state
+                send(sock, {"op": "next", "release": self._drain_released()})
+                message = check_reply(self._receive_batch(sock), "batch")
+                self.waited_s += time.perf_counter() - started
+            except (OSError, EOFError, ServiceError) as exc:
+                self._lost(exc, deadline)
+                continue
+            self._unacked = before  # the service audits it when this client asks for the next one
+            self._state = message["state"]
+            batch: dict[str, Any] = message["batch"]
+            return batch
+
+    def _receive_batch(self, sock: socket.socket) -> dict[str, Any]:
+        body, self._pending_fds = receive_frame(sock, MAX_REPLY_BYTES, accept_fds=True)
+        try:
+            message = decode(body, self._decode)
+            if self._bases and message["op"] == "batch":  # the batch's memory goes back when it is dropped
+                weakref.finalize(self._bases[-1], self._released.append, [int(message["seq"])])
+        finally:
+            for fd in self._pending_fds:  # sent but not referred to: nothing to map
+                os.close(fd)
+            self._pending_fds = []
+            self._bases.clear()
+        return message
+
+    def _base(self, slot: int, generation: int) -> np.ndarray:
+        """This batch's view of its segment: one array per batch, whose finalizer says when the batch is gone."""
+        if self._bases:
+            return self._bases[-1]
+        mapped = self._maps.get((slot, generation))
+        if mapped is None:
+            mapped = self._map_pending(slot, generation)
+        base = np.frombuffer(mapped, dtype=np.uint8)
+        self._bases.append(base)
+        return base
+
+    def _map_pending(self, slot: int, generation: int) -> mmap.mmap:
+        if not self._pending_fds:
+            raise ProtocolError(f"the service referred to segment {slot}/{generation} without sending it")
+        fd = self._pending_fds.pop(0)
+        try:
+            mapped = mmap.mmap(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if slot >= 0:
+            for old in [k for k in self._maps if k[0] == slot]:
+                del self._maps[old]  # a grown segment replaces the slot; live tensors keep the old map
+            self._maps[(slot, generation)] = mapped
+        return mapped
+
+    def _drain_released(self) -> list[int]:
+        released, self._released = self._released, []
+        return [box[0] for box in released]
+
+    # -- connection ------------------------------------------------------------------------
+    def _connected(self, deadline: float) -> socket.socket:
+        while self._sock is None:
+            try:
+                self._sock = self._hello()
+            except (OSError, EOFError, ServiceError) as exc:
+                self._lost(exc, deadline)
+        return self._sock
+
+    def _hello(self) -> socket.socket:
+        sock = connect(self.address, self.request_timeout_s)
+        try:
+            hello = {"op": "hello", "protocol": PROTOCOL, "pid": os.getpid(), "rank": self.rank,
+                     "world_size": self.world_size, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
+                     "grad_accum": self.grad_accum, "state": self._state, "reack": self._unacked,
+                     "index_fingerprint": self.index_fingerprint}
+            send(sock, hello)
+            reply, _ = receive(sock, MAX_REPLY_BYTES)
+            welcome = check_reply(reply, "welcome")
+        except BaseException:
+            sock.close()
+            raise
+        self._state = welcome["state"]
+        self.index_fingerprint = welcome["index_fingerprint"]
+        self._maps.clear()  # segment numbers belong to that service process
+        return sock
+
+    def _lost(self, exc: BaseException, deadline: float) -> None:
+        """The service is unreachable: wait and retry until ``deadline``, then give up with a clear error."""
+        if isinstance(exc, ServiceError) and exc.code in _FATAL_CODES:
+            raise exc
+        self._drop_connection()
+        if time.monotonic() > deadline:
+            raise ConnectionError(f"no omnifeed service at {self.address} for {self.reconnect_timeout_s:.0f} s "
+                                  f"({type(exc).__name__}: {exc}); start it with `omnifeed serve --config FILE`") from exc
+        self.reconnects += 1
+        delay = min(2.0, 0.05 * 2 ** min(self.reconnects, 6))
+        log.info("omnifeed service at %s unreachable (%s); retrying in %.2f s", self.address, exc, delay)
+        time.sleep(delay)
+
+    def _drop_connection(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            except OSError:
+                pass
+            self._sock = None
+
+    def _current_state(self) -> dict[str, Any]:
+        if self._state is None:
+            self._connected(time.monotonic() + self.reconnect_timeout_s)
+        assert self._state is not None
+        return self._state
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The client's data state: the feed state after the last batch it yielded (``Feed.state_dict()``'s format)."""
+        if self._feed is not None:
+            return self._feed.state_dict()
+        return dict(self._current_state())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` (checked by the service at the next request; another world size is a resize)."""
+        if self._feed is not None:
+            self._feed.load_state_dict(state)
+            return
+        if not isinstance(state, Mapping) or state.get("format") != FEED_STATE_FORMAT:
+            raise ValueError(f"not a feed state (format {FEED_STATE_FORMAT!r} expected)")
+        self._drop_connection()
+        self._state, self._unacked = dict(state), None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def close(self) -> None:
+        """Say goodbye (the last batch counts as delivered) and disconnect (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._feed is not None:
+            self._feed.close()
+            return
+        if self._sock is not None:
+            try:
+                send(self._sock, {"op": "bye", "release": self._drain_released()})
+                receive(self._sock, MAX_REPLY_BYTES)
+            except (OSError, EOFError, ProtocolError):
+                pass
+            self._drop_connection()
+
+    def __enter__(self) -> FeedClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_sock", None) is not None:
+            self._drop_connection()
+
