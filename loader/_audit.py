@@ -106,10 +106,23 @@ def verify_coverage(index: SampleIndex, epoch: int, records: Iterable[dict[str, 
     A record marked ``"reack": true`` is one a client re-sent after its service restarted,
     not knowing whether the old service had logged it: it counts only if no record of the
     same delivery (step, rank, accumulation micro-step, micro-batch, topology) exists.
+
+    A **resume marker** (``{"resume": ID, "step": S, "accum_done": A, ...}``, written by the
+    service when a trainer loads a checkpoint) rolls back what was delivered after that
+    checkpoint and never committed: the records before it, from steps at or after ``S``, that
+    were not themselves delivered since resuming from ``ID`` (their ``"since"``). So a run that
+    crashed and resumed from its last checkpoint verifies per committed step.
     """
     keys: list[str] = []
     segments: dict[str, list[tuple[int, int]]] = {}
-    chosen = [r for r in records if int(r["epoch"]) == epoch]
+    kept: list[dict[str, Any]] = []
+    for record in records:
+        if "resume" in record:
+            at = (int(record["step"]), int(record.get("accum_done", 0)))
+            kept = [r for r in kept if r.get("since") == record["resume"] or (r["step"], r["accum"]) < at]
+        else:
+            kept.append(record)
+    chosen = [r for r in kept if int(r["epoch"]) == epoch]
     logged = {_delivery(r) for r in chosen if not r.get("reack")}
     for record in chosen:
         if record.get("reack"):

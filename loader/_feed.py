@@ -23,7 +23,7 @@ from ._cursor import PlanCursor
 from ._decode import make_decoder
 from ._feed_config import FeedConfig
 from ._feed_metrics import FeedMetrics
-from ._feed_pipeline import FieldReader, PendingBatch, Pipeline, Slot, fields_to_decode
+from ._feed_pipeline import FieldReader, Handover, PendingBatch, Pipeline, Slot, fields_to_decode
 from ._healing import ErrorBudget, FeedError, SampleFailure, fallback_positions, replacement_slot
 from ._index import SampleIndex
 from ._plan import Plan
@@ -89,17 +89,20 @@ class Feed:
                                    frozenset(decoders or ()))
         self._pipeline: Pipeline | None = None
         self._shared_pools: DecodePools | None = None
+        self._handover: Handover | None = None
         self._owns_reader = True
         self._audit: IO[str] | None = open(audit_log, "a", encoding="utf-8") if audit_log else None  # noqa: SIM115
         self._finalizer = weakref.finalize(self, _close_resources, [None], self._reader, self._audit)
         self._closed = False
 
     @classmethod
-    def _sharing(cls, index: SampleIndex, config: FeedConfig, reader: FieldReader, metrics: FeedMetrics,
-                 pools: DecodePools | None, *, world_size: int, rank: int, grad_accum: int) -> Feed:
-        """A feed that uses another owner's field reader, metrics and decode pools (the service's streams)."""
+    def _sharing(cls, index: SampleIndex, plan: Plan, config: FeedConfig, reader: FieldReader, metrics: FeedMetrics,
+                 pools: DecodePools | None, handover: Handover | None, *, world_size: int, rank: int,
+                 grad_accum: int) -> Feed:
+        """A feed that uses another owner's plan, field reader, metrics and decode pools (the service's streams)."""
         feed = cls.__new__(cls)
-        feed.index, feed.config, feed.plan = index, config, Plan.from_index(index, config.plan)
+        feed.index, feed.config, feed.plan = index, config, plan
+        feed._handover = handover
         cls._check_rank(world_size, rank)
         feed.world_size, feed.rank, feed.grad_accum = world_size, rank, grad_accum
         feed._position = PlanCursor(feed.plan, world_size=world_size, grad_accum=grad_accum).state_dict()
@@ -153,7 +156,7 @@ class Feed:
             self._pipeline = Pipeline(
                 self.index, self.plan, self.config, self._reader, world_size=self.world_size, rank=self.rank,
                 grad_accum=self.grad_accum, state=self._position, skip=self._accum_done,
-                pools=self._shared_pools,
+                pools=self._shared_pools, handover=self._handover,
             )
             self._finalizer.detach()
             reader = self._reader if self._owns_reader else None

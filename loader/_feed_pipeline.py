@@ -45,6 +45,10 @@ from ..cache import is_local
 from ._field_source import FieldSource, Loaded
 
 
+Handover = Callable[[MicroBatch], "list[dict[str, Any]] | None"]
+"""Decoded samples of a micro-batch that another stream already holds (the service, after a resize), or None."""
+
+
 @dataclass
 class Slot:
     """One sample of a pending micro-batch: its index row, decoded fields, and failure if any."""
@@ -187,8 +191,9 @@ class Pipeline:
 
     def __init__(self, index: SampleIndex, plan: Plan, config: FeedConfig, reader: FieldReader, *,
                  world_size: int, rank: int, grad_accum: int, state: Mapping[str, Any], skip: int,
-                 pools: DecodePools | None = None) -> None:
+                 pools: DecodePools | None = None, handover: Handover | None = None) -> None:
         self.index, self.plan, self.config, self.reader = index, plan, config, reader
+        self._handover = handover
         self.rank = rank
         self.cursor = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
         self.cursor.load_state_dict(state)
@@ -236,6 +241,14 @@ class Pipeline:
             self._fail(exc)
 
     def _enqueue(self, pending: PendingBatch) -> bool:
+        held = self._handover(pending.micro_batch) if self._handover is not None else None
+        if held is not None:  # decoded already, by another rank's stream before a resize: no read, no decode
+            for sample, decoded in zip(self.index.samples(pending.micro_batch.positions), held):
+                pending.slots.append(Slot(sample.position, sample, decoded))
+            with self._cond:
+                self._pending.append(pending)
+                self._cond.notify_all()
+            return True
         fields: list[tuple[Slot, str, FieldLocation]] = []
         for sample in self.index.samples(pending.micro_batch.positions):
             slot = Slot(sample.position, sample)

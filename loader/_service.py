@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 import os
 import socket
 import stat
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ._collate import collate
+from ._collate import collate, uncollate
 from ._cursor import PlanCursor
 from ._decode import make_decoder
 from ._errors import OmnifeedError, StateMismatchError
@@ -49,13 +50,15 @@ from ._healing import FeedError
 from ._index import SampleIndex
 from ._plan import Plan
 from ._pools import DecodePools
-from ._service_arena import Segment, SegmentWriter, encode_batch, grown_size
+from ._plan import MicroBatch
+from ._service_arena import Segment, SegmentWriter, encode_batch, grown_size, tensor_decoder
 from ._service_config import ServiceConfig
-from ._wire import MAX_REQUEST_BYTES, PROTOCOL, ProtocolError, encode, receive, send
+from ._wire import MAX_REQUEST_BYTES, PROTOCOL, ProtocolError, decode, encode, receive, send
 
 log = logging.getLogger("omnifeed.service")
 
 _MAX_GRAD_ACCUM = 4096
+_HANDOVER_LIMIT = 512  # micro-batches of retired streams kept for the new ones
 _MAX_WORLD = 1 << 20
 
 
@@ -98,6 +101,7 @@ class _Attached:
     client: int
     rank: int
     position: dict[str, Any]
+    since: str | None = None  # the checkpoint the client resumed from (its deliveries are tagged with it)
     last: _Ready | None = None
     batches: int = 0
     waited_s: float = 0.0
@@ -110,8 +114,10 @@ class _Stream:
     def __init__(self, service: FeedService, key: tuple[int, int, int], group: int, start: dict[str, Any]) -> None:
         self.service, self.key, self.group = service, key, group
         dp_world, dp_rank, accum = key
-        self.feed = Feed._sharing(service.index, service.config.feed, service.reader, service.feed_metrics,
-                                  service.pools, world_size=dp_world, rank=dp_rank, grad_accum=accum)
+        self.feed = Feed._sharing(service.index, service.plan, service.config.feed, service.reader,
+                                  service.feed_metrics, service.pools, service.take_handover,
+                                  world_size=dp_world, rank=dp_rank, grad_accum=accum)
+        self.resize_started: float | None = None  # set when this stream serves a new topology
         self.feed.load_state_dict(start)
         self.cond = threading.Condition()
         self.ready: list[_Ready] = []
@@ -215,7 +221,7 @@ class _Stream:
             return True
         return _order(state) > _order(self.head)
 
-    def attach(self, client: int, rank: int, state: dict[str, Any]) -> None:
+    def attach(self, client: int, rank: int, state: dict[str, Any], since: str | None) -> None:
         """Serve ``client`` from ``state``; restart production there when this stream is past it (holding the lock)."""
         if not self.servable(state):
             later = [c for c in self.clients.values() if _order(c.position) < _order(state)]
@@ -224,7 +230,7 @@ class _Stream:
                                    "position that does not lead to yours; tensor-parallel peers must resume from "
                                    "the same checkpoint")
             self.restart_to = state
-        self.clients[client] = _Attached(client, rank, state)
+        self.clients[client] = _Attached(client, rank, state, since)
         self.idle_since = None
         self.cond.notify_all()
 
@@ -235,7 +241,7 @@ class _Stream:
             if attached is None:
                 return
             if moved_past and attached.last is not None:
-                self._audit(attached.last, reack=False)
+                self._audit(attached.last, attached.since)
             for ready in self.ready:
                 ready.holders.discard(client)
             self._collect()
@@ -255,7 +261,7 @@ class _Stream:
         with self.cond:
             attached = self.clients[client]
             if attached.last is not None:  # asking for the next batch: it moved past the last one
-                self._audit(attached.last, reack=False)
+                self._audit(attached.last, attached.since)
             self._collect()
             started = time.perf_counter()
             while True:
@@ -268,6 +274,9 @@ class _Stream:
                     break
                 self.cond.wait(0.5)
             waited = time.perf_counter() - started
+            if self.resize_started is not None:
+                self.service.record_resize(time.perf_counter() - self.resize_started)
+                self.resize_started = None
             attached.waited_s += waited
             attached.last_wait_s = waited
             attached.batches += 1
@@ -278,7 +287,7 @@ class _Stream:
             self.cond.notify_all()
             return found
 
-    def reack(self, state: dict[str, Any], rank: int) -> None:
+    def reack(self, state: dict[str, Any], since: str | None) -> None:
         """Audit the batch a client yielded before the service restarted (from where it started)."""
         cursor = PlanCursor(self.feed.plan, world_size=self.key[0], grad_accum=self.key[2])
         cursor.load_state_dict(state["plan"])
@@ -286,12 +295,12 @@ class _Stream:
         accum = int(state["accum_done"])
         micro_batch = step.for_rank(self.key[1])[accum]
         record = delivery_record(step, self.key[1], accum, micro_batch, self.service.index.keys(micro_batch.positions))
-        self.service.write_audit({**record, "replaced": [], "reack": True})
+        self.service.write_audit({**record, "replaced": [], "reack": True, "since": since})
 
-    def _audit(self, ready: _Ready, reack: bool) -> None:
+    def _audit(self, ready: _Ready, since: str | None) -> None:
         if not ready.audited:
             ready.audited = True
-            self.service.write_audit(ready.record)
+            self.service.write_audit({**ready.record, "since": since})
 
     def _done_with(self, ready: _Ready) -> bool:
         """No client of the group needs this batch any more (holders aside)."""
@@ -317,6 +326,17 @@ class _Stream:
             self._free.append(segment)
         else:
             segment.close()
+
+    def harvest(self) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+        """Batches no client took yet, as (delivery record, decoded samples) private copies (holding the lock)."""
+        harvested = []
+        for ready in self.ready:
+            base = ready.segment.base
+            if ready.takers or ready.record.get("replaced") or base is None:
+                continue
+            batch = decode(ready.frame[4:], tensor_decoder(lambda slot, generation: base))["batch"]
+            harvested.append((ready.record, uncollate(batch)))
+        return harvested
 
     def segments(self) -> tuple[int, int]:
         """Segments this stream keeps and their bytes."""
@@ -368,6 +388,7 @@ class FeedService:
         self._connections: dict[int, _Connection] = {}
         self._next_id = 1
         self._audit_lock = threading.Lock()
+        self._resumes: set[str] = set()
         self._audit: IO[str] | None = open(config.audit_log, "a", encoding="utf-8") if config.audit_log else None  # noqa: SIM115
         self._stopping = threading.Event()
         self._started = time.monotonic()
@@ -376,7 +397,10 @@ class FeedService:
         self._metrics_server: Any = None
         self.metrics_port: int | None = None
         self.resizes = 0
-        self.resize_seconds = 0.0
+        self.resize_seconds = self.last_resize_s = 0.0
+        self.handed_over = 0  # micro-batches a new stream took decoded from a retired one
+        self._topology: tuple[int, int] | None = None  # (data-parallel size, accumulation) of the newest stream
+        self._handover: OrderedDict[tuple[int, int], tuple[list[str], list[dict[str, Any]]]] = OrderedDict()
 
     def _pool_error(self, exc: BaseException) -> None:
         log.error("a decode worker failed: %s: %s", type(exc).__name__, exc)
@@ -554,20 +578,39 @@ class FeedService:
         with self._lock:
             stream = self._streams.get(key)
             if stream is None or stream.closed:
+                resized = self._topology is not None and self._topology != (dp_world, accum)
+                if self._topology != (dp_world, accum):
+                    self._topology = (dp_world, accum)
+                    self.resizes += resized
+                retiring = self._stale_streams()
+            else:
+                resized, retiring = False, []
+        self._retire(retiring)  # their prefetched batches are handed over before the new streams plan ahead
+        with self._lock:
+            stream = self._streams.get(key)
+            if stream is None or stream.closed:
                 stream = self._streams[key] = _Stream(self, key, world // dp_world, state)
+                if resized:
+                    stream.resize_started = time.perf_counter()
+        since = message.get("resume")
+        if since is not None and (not isinstance(since, str) or len(since) > 64):
+            raise RequestError("protocol", "hello field 'resume' must be a string of at most 64 characters")
+        if since is not None:
+            self._mark_resume(since, state)
         with stream.cond:
             stream.group = max(stream.group, world // dp_world)
-            stream.attach(connection.id, rank, state)
+            stream.attach(connection.id, rank, state, since)
         connection.stream = stream
         reack = message.get("reack")
         if reack is not None:
             try:
-                stream.reack(feed_state(self.plan, reack, world_size=dp_world, grad_accum=accum), dp_rank)
+                stream.reack(feed_state(self.plan, reack, world_size=dp_world, grad_accum=accum), since)
             except (ValueError, TypeError, KeyError, IndexError, FeedError, StateMismatchError) as exc:
                 log.warning("client %d re-sent an unusable delivery (%s); not audited", connection.id, exc)
         return {"op": "welcome", "protocol": PROTOCOL, "client": connection.id, "state": state,
                 "index_fingerprint": self.plan.index_fingerprint, "config_fingerprint": self.plan.config_fingerprint,
-                "num_samples": self.index.num_samples}
+                "num_samples": self.index.num_samples, "batch_size": self.plan.config.batch_size,
+                "budget": self.plan.budget}
 
     def _next(self, connection: _Connection, message: dict[str, Any]) -> None:
         stream = connection.stream
@@ -599,11 +642,50 @@ class FeedService:
             self._connections.pop(connection.id, None)
         if connection.stream is not None:
             connection.stream.detach(connection.id, connection.said_bye)
+            with self._lock:
+                retiring = self._stale_streams()
+            self._retire(retiring)
         self._release_lent(connection.id, None)
         try:
             connection.sock.close()
         except OSError:
             pass
+
+    # -- resizes: streams of an old topology hand their prefetched batches over -----------------
+    def _stale_streams(self) -> list[_Stream]:
+        """Client-less streams of another topology than the newest (holding the service lock); removed."""
+        stale = [k for k, s in self._streams.items()
+                 if (k[0], k[2]) != self._topology and not s.clients and self._topology is not None]
+        return [self._streams.pop(k) for k in stale]
+
+    def _retire(self, streams: list[_Stream]) -> None:
+        """Keep the decoded samples of their untaken batches for whichever new stream deals them; close them."""
+        for stream in streams:
+            with stream.cond:
+                harvested = stream.harvest()
+            with self._lock:
+                for record, samples in harvested:
+                    self._handover[(record["epoch"], record["micro_batch"])] = (record["keys"], samples)
+                while len(self._handover) > _HANDOVER_LIMIT:
+                    self._handover.popitem(last=False)
+            threading.Thread(target=stream.close, name="omnifeed-retire", daemon=True).start()
+
+    def take_handover(self, micro_batch: MicroBatch) -> list[dict[str, Any]] | None:
+        """The decoded samples of ``micro_batch`` if a retired stream had prefetched it (taken once)."""
+        with self._lock:
+            if not self._handover:
+                return None
+            entry = self._handover.pop((micro_batch.epoch, micro_batch.index), None)
+        if entry is None or entry[0] != self.index.keys(micro_batch.positions):
+            return None
+        self.handed_over += 1
+        return entry[1]
+
+    def record_resize(self, seconds: float) -> None:
+        """A stream of a new topology served its first batch ``seconds`` after it was asked for."""
+        with self._lock:
+            self.resize_seconds += seconds
+            self.last_resize_s = seconds
 
     # -- batches lent to clients after their stream moved on ---------------------------------
     def lent(self, ready: _Ready, stream: _Stream) -> None:
@@ -629,6 +711,16 @@ class FeedService:
                 self._lent = [(r, s) for r, s in self._lent if r not in done]
 
     # -- audit and metrics -----------------------------------------------------------------
+    def _mark_resume(self, since: str, state: dict[str, Any]) -> None:
+        """Log that trainers resumed from checkpoint ``since``: later deliveries from before it are rolled back."""
+        with self._audit_lock:
+            if since in self._resumes:
+                return
+            self._resumes.add(since)
+        self.write_audit({"resume": since, "epoch": state["plan"]["epoch"], "step": state["plan"]["step"],
+                          "accum_done": state["accum_done"], "topology_version": state["plan"]["topology_version"],
+                          "keys": []})
+
     def write_audit(self, record: dict[str, Any]) -> None:
         """Append one delivery record to the audit log (if configured)."""
         with self._audit_lock:
@@ -658,7 +750,8 @@ class FeedService:
             **snapshot,
             "cache": self.reader.source.stats(), "storage_degraded": self.reader.source.degraded,
             "read_ahead": self.reader.read_ahead(), "clients": clients,
-            "resizes": self.resizes, "resize_seconds": self.resize_seconds,
+            "resizes": self.resizes, "resize_seconds": self.resize_seconds, "last_resize_s": self.last_resize_s,
+            "handed_over": self.handed_over,
         }
 
 

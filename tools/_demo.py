@@ -42,6 +42,7 @@ from ._precache import PrecacheJob
 from ._precache_run import precache_local
 
 _PHASES = ((4, 3), (3, 4), (6, None))  # (world size, steps; None = until epoch 0 is delivered)
+_SERVED_PHASES = ((2, 3), (1, 3), (3, None))
 
 
 def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None) -> int:
@@ -116,12 +117,38 @@ def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None) -> 
     say(f"omnifeed precache {report.path} --cache {out / 'cache'}")
     say(json.dumps(precached.summary()))
 
-    say.title("7. Serve: one service for the node, two trainer ranks over shared memory")
+    say.title("7. Serve: one service for the node; trainer ranks 2 -> 1 -> 3 over shared memory, from checkpoints")
     return _serve_two_ranks(say, out, report.path, index, nvme)
 
 
+def _train(say: _Reporter, address: str, checkpoint: Path, world_size: int, steps: int | None) -> bool:
+    """Toy trainer ranks as client processes, resuming from (and saving) the checkpoint; their summaries."""
+    limit = ["--max-steps", str(steps)] if steps else []
+    ranks = [subprocess.Popen([sys.executable, "-m", "omnifeed.trainer_adapter._toy_trainer", "--address", address,
+                               "--rank", str(rank), "--world-size", str(world_size), "--checkpoint", str(checkpoint),
+                               *limit], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in range(world_size)]
+    ok = True
+    for rank, process in enumerate(ranks):
+        stdout, stderr = process.communicate(timeout=600)
+        if process.returncode != 0:
+            say(f"FAILED: trainer rank {rank} exited {process.returncode}: {stderr.strip()[-500:]}")
+            ok = False
+            continue
+        summary = json.loads(stdout.strip().splitlines()[-1])
+        hints = summary["hints"]
+        if hints and rank == 0:
+            say(f"  resize {hints['previous_world_size']} -> {hints['world_size']} ranks (topology "
+                f"v{hints['topology_version']}): global batch {hints['global_batch_samples']} samples; keep the old "
+                f"one with grad_accum {hints['keep_global_batch_grad_accum']}; {hints['lr_rule']} LR scale "
+                f"{hints['lr_scale']:.3g} (applied)")
+        say(f"  rank {rank}: {summary['run_steps']} steps, {summary['samples']} samples, loss {summary['loss']}, "
+            f"waited {summary['waited_s']:.2f} s, {summary['client_cpu_ms_per_batch']:.3f} ms CPU per batch in the trainer")
+    return ok
+
+
 def _serve_two_ranks(say: _Reporter, out: Path, index_path: Path, index: SampleIndex, nvme: NvmeTierConfig) -> int:
-    """`omnifeed serve` in a process, two toy trainer ranks as client processes, the audit log verified."""
+    """`omnifeed serve` in a process, toy trainer ranks 2 -> 1 -> 3 as client processes, the audit log verified."""
     socket_dir = Path(tempfile.mkdtemp(prefix="omnifeed-demo-"))  # socket paths must stay short
     audit = out / "audit.jsonl"
     config_path = out / "service.yaml"
@@ -135,28 +162,21 @@ def _serve_two_ranks(say: _Reporter, out: Path, index_path: Path, index: SampleI
     try:
         assert service.stdout is not None
         say("  " + service.stdout.readline().strip())
-        ranks = [subprocess.Popen([sys.executable, "-m", "omnifeed.trainer_adapter._toy_trainer", "--address",
-                                   address, "--rank", str(rank), "--world-size", "2"],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
-        for rank, process in enumerate(ranks):
-            stdout, stderr = process.communicate(timeout=600)
-            if process.returncode != 0:
-                say(f"FAILED: trainer rank {rank} exited {process.returncode}: {stderr.strip()[-500:]}")
+        checkpoint = out / "checkpoint.pt"
+        for world_size, steps in _SERVED_PHASES:
+            say(f"trainer ranks 0..{world_size - 1} of {world_size}" + (f", {steps} steps each, then a checkpoint"
+                                                                       if steps else ", until epoch 0 is delivered"))
+            if not _train(say, address, checkpoint, world_size, steps):
                 return 1
-            summary = json.loads(stdout.strip().splitlines()[-1])
-            say(f"  rank {rank}: {summary['steps']} steps, {summary['samples']} samples, loss {summary['loss']}, "
-                f"waited {summary['waited_s']:.2f} s, {summary['client_cpu_ms_per_batch']:.3f} ms CPU per batch "
-                "in the trainer")
         snapshot = request_metrics(address)
     finally:
         service.send_signal(signal.SIGTERM)
         service.wait(timeout=60)
         shutil.rmtree(socket_dir, ignore_errors=True)
     tiers = snapshot["cache"]
-    ahead = snapshot["samples"] - index.num_samples
-    say(f"service: {index.num_samples} samples of epoch 0 read and decoded once for both ranks (and {ahead} of "
-        f"epoch 1 prefetched); fields from the NVMe tier: {tiers['nvme']['hits']}, from the source files: "
-        f"{tiers['remote']['reads']}")
+    say(f"service: {snapshot['resizes']} resizes; {snapshot['handed_over']} prefetched micro-batches handed over to "
+        f"new ranks instead of decoded again; fields from the NVMe tier: {tiers['nvme']['hits']}, from the source "
+        f"files: {tiers['remote']['reads']}")
     say(f"{'modality':<8}{'decoded':>9}{'p50 ms':>9}{'p90 ms':>9}{'bad':>5}")
     for modality, m in snapshot["modalities"].items():
         latency = m["decode_latency_s"]
@@ -165,7 +185,7 @@ def _serve_two_ranks(say: _Reporter, out: Path, index_path: Path, index: SampleI
     coverage = verify_coverage(index, 0, read_delivery_logs([audit]))
     say(f"omnifeed verify --index {index_path} --epoch 0 {audit}")
     say(json.dumps(coverage.to_json()))
-    say("\n" + ("OK: the service delivered epoch 0 to both ranks exactly once." if coverage.ok
+    say("\n" + ("OK: the service delivered epoch 0 exactly once across 2 -> 1 -> 3 trainer ranks." if coverage.ok
                 else "FAILED: the service's audit log does not cover epoch 0 exactly once."))
     return 0 if coverage.ok else 1
 

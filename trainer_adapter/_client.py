@@ -14,6 +14,7 @@ Tensor-parallel peers map the same pages: an in-place edit of a batch is seen by
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
@@ -25,14 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
-from omnifeed.loader import Feed
+from omnifeed.loader import Feed, FeedError
 from omnifeed.loader._feed import FEED_STATE_FORMAT
 from omnifeed.loader._service_arena import tensor_decoder
 from omnifeed.loader._service_config import ServiceConfig, default_socket
 from omnifeed.loader._wire import (
     MAX_REPLY_BYTES, PROTOCOL, ProtocolError, ServiceError, check_reply, connect, decode, receive, receive_frame, send,
 )
+
+from ._hints import LrRule, TopologyHints, topology_hints
 
 log = logging.getLogger("omnifeed.client")
 
@@ -49,15 +53,14 @@ class FeedClient:
 
     def __init__(self, address: str | None = None, *, rank: int = 0, world_size: int = 1, dp_rank: int | None = None,
                  dp_world_size: int | None = None, grad_accum: int = 1, index_fingerprint: str | None = None,
-                 reconnect_timeout_s: float = 300.0, request_timeout_s: float | None = None) -> None:
+                 reconnect_timeout_s: float = 300.0, request_timeout_s: float | None = None,
+                 lr_rule: LrRule = "linear") -> None:
         self.address = address or default_socket()
-        self.rank, self.world_size, self.grad_accum = rank, world_size, grad_accum
-        self.dp_world_size = world_size if dp_world_size is None else dp_world_size
-        self.dp_rank = rank if dp_rank is None else dp_rank
-        if not 0 <= self.dp_rank < self.dp_world_size or not 0 <= rank < world_size or world_size % self.dp_world_size:
-            raise ValueError(f"rank {rank} of {world_size}, data-parallel rank {self.dp_rank} of {self.dp_world_size}: "
-                             "ranks must be inside their world sizes and the world a multiple of the data-parallel size")
+        self._set_topology(rank, world_size, dp_rank, dp_world_size, grad_accum)
         self.index_fingerprint = index_fingerprint
+        self.lr_rule: LrRule = lr_rule
+        self._plan_shape: tuple[int, float | None] | None = None  # (batch size, cost budget) from the service
+        self._resumed_from: str | None = None  # digest of the state last loaded (tags this client's deliveries)
         self.reconnect_timeout_s, self.request_timeout_s = reconnect_timeout_s, request_timeout_s
         self._feed: Feed | None = None
         self._sock: socket.socket | None = None
@@ -72,13 +75,51 @@ class FeedClient:
         self.reconnects = 0
         self._closed = False
 
+    def _set_topology(self, rank: int, world_size: int, dp_rank: int | None, dp_world_size: int | None,
+                      grad_accum: int) -> None:
+        dp_world_size = world_size if dp_world_size is None else dp_world_size
+        dp_rank = rank if dp_rank is None else dp_rank
+        if not 0 <= dp_rank < dp_world_size or not 0 <= rank < world_size or world_size % dp_world_size or grad_accum < 1:
+            raise ValueError(f"rank {rank} of {world_size}, data-parallel rank {dp_rank} of {dp_world_size}, "
+                             f"accumulation {grad_accum}: ranks must be inside their world sizes, the world a "
+                             "multiple of the data-parallel size, accumulation at least 1")
+        self.rank, self.world_size, self.dp_rank, self.dp_world_size = rank, world_size, dp_rank, dp_world_size
+        self.grad_accum = grad_accum
+
+    @classmethod
+    def from_torchrun_env(cls, address: str | None = None, *, config: ServiceConfig | str | Path | None = None,
+                          tensor_parallel: int = 1, grad_accum: int = 1, lr_rule: LrRule = "linear",
+                          **options: Any) -> FeedClient:
+        """A client for this torchrun worker: ``WORLD_SIZE``, ``RANK`` (and ``LOCAL_RANK``) from the environment.
+
+        Ranks ``tensor_parallel`` apart in a row form one data-parallel rank (peers get the same
+        batches). With ``config`` the feed runs in this process instead of a service. After an
+        elastic restart at another world size, ``load_state_dict(checkpoint)`` performs the
+        resize and returns its `TopologyHints` (torchrun restarts every worker on any membership
+        change, and its restart count does not count joins: the world size in the saved state is
+        what tells a resize).
+        """
+        try:
+            world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+        except KeyError as exc:
+            raise RuntimeError(f"{exc.args[0]} is not set: run under torchrun, or build FeedClient(rank=, world_size=)") from None
+        if world % tensor_parallel:
+            raise ValueError(f"WORLD_SIZE {world} is not a multiple of tensor_parallel {tensor_parallel}")
+        dp_rank, dp_world = rank // tensor_parallel, world // tensor_parallel
+        if config is not None:
+            return cls.in_process(config, rank=rank, world_size=world, dp_rank=dp_rank, dp_world_size=dp_world,
+                                  grad_accum=grad_accum, lr_rule=lr_rule)
+        return cls(address, rank=rank, world_size=world, dp_rank=dp_rank, dp_world_size=dp_world,
+                   grad_accum=grad_accum, lr_rule=lr_rule, **options)
+
     @classmethod
     def in_process(cls, config: ServiceConfig | str | Path, *, rank: int = 0, world_size: int = 1,
-                   dp_rank: int | None = None, dp_world_size: int | None = None, grad_accum: int = 1) -> FeedClient:
+                   dp_rank: int | None = None, dp_world_size: int | None = None, grad_accum: int = 1,
+                   lr_rule: LrRule = "linear") -> FeedClient:
         """The same interface over a feed in this process (tests, single-process jobs): no service needed."""
         config = config if isinstance(config, ServiceConfig) else ServiceConfig.from_yaml(config)
         client = cls(config.socket, rank=rank, world_size=world_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                     grad_accum=grad_accum)
+                     grad_accum=grad_accum, lr_rule=lr_rule)
         client._feed = Feed(config.index, config.feed, world_size=client.dp_world_size, rank=client.dp_rank,
                             grad_accum=grad_accum, audit_log=config.audit_log if client.rank == client._first_peer() else None)
         return client
@@ -190,6 +231,7 @@ class FeedClient:
             hello = {"op": "hello", "protocol": PROTOCOL, "pid": os.getpid(), "rank": self.rank,
                      "world_size": self.world_size, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
                      "grad_accum": self.grad_accum, "state": self._state, "reack": self._unacked,
+                     "resume": self._resumed_from,
                      "index_fingerprint": self.index_fingerprint}
             send(sock, hello)
             reply, _ = receive(sock, MAX_REPLY_BYTES)
@@ -199,6 +241,7 @@ class FeedClient:
             raise
         self._state = welcome["state"]
         self.index_fingerprint = welcome["index_fingerprint"]
+        self._plan_shape = (int(welcome["batch_size"]), welcome["budget"])
         self._maps.clear()  # segment numbers belong to that service process
         return sock
 
@@ -236,15 +279,58 @@ class FeedClient:
             return self._feed.state_dict()
         return dict(self._current_state())
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (checked by the service at the next request; another world size is a resize)."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> TopologyHints | None:
+        """Continue from ``state``; saved at another data-parallel size or accumulation, it is a resize: its hints.
+
+        The service checks the state at once (another index or batching config is refused,
+        naming both fingerprints).
+        """
+        if not isinstance(state, Mapping) or state.get("format") != FEED_STATE_FORMAT or "plan" not in state:
+            raise ValueError(f"not a feed state (format {FEED_STATE_FORMAT!r} expected)")
+        saved = (int(state["plan"]["world_size"]), int(state["plan"]["grad_accum"]))
         if self._feed is not None:
             self._feed.load_state_dict(state)
-            return
-        if not isinstance(state, Mapping) or state.get("format") != FEED_STATE_FORMAT:
-            raise ValueError(f"not a feed state (format {FEED_STATE_FORMAT!r} expected)")
-        self._drop_connection()
-        self._state, self._unacked = dict(state), None
+        else:
+            self._drop_connection()
+            self._state, self._unacked = dict(state), None
+            self._resumed_from = xxhash.xxh64_hexdigest(json.dumps(state, sort_keys=True).encode())
+            self._connected(time.monotonic() + self.reconnect_timeout_s)
+        if saved == (self.dp_world_size, self.grad_accum):
+            return None
+        return self._hints(*saved)
+
+    def resize(self, world_size: int, rank: int, *, dp_world_size: int | None = None, dp_rank: int | None = None,
+               grad_accum: int | None = None) -> TopologyHints:
+        """Continue at another world size (at a step boundary; else `FeedError`): what it means, as hints.
+
+        The batch in hand counts as delivered. Later batches are this rank's share of the rest of
+        the plan at the new size: nothing skipped, nothing repeated across all ranks.
+        """
+        state = self.state_dict()
+        if state["accum_done"]:
+            raise FeedError(f"resize at a step boundary: {state['accum_done']} of {self.grad_accum} micro-batches of "
+                            f"step {state['plan']['step']} are delivered; finish the step first")
+        previous = (self.dp_world_size, self.grad_accum)
+        self._set_topology(rank, world_size, dp_rank, dp_world_size, grad_accum or self.grad_accum)
+        if self._feed is not None:
+            self._feed.resize(self.dp_world_size, self.dp_rank, self.grad_accum)
+        else:
+            self._goodbye()
+            self._connected(time.monotonic() + self.reconnect_timeout_s)
+        return self._hints(*previous)
+
+    def _hints(self, previous_world_size: int, previous_grad_accum: int) -> TopologyHints:
+        if self._feed is not None:
+            batch_size, budget = self._feed.plan.config.batch_size, self._feed.plan.budget
+        else:
+            assert self._plan_shape is not None
+            batch_size, budget = self._plan_shape
+        return topology_hints(
+            world_size=self.dp_world_size, previous_world_size=previous_world_size, grad_accum=self.grad_accum,
+            previous_grad_accum=previous_grad_accum, topology_version=int(self.state_dict()["plan"]["topology_version"]),
+            micro_batch_samples=None if budget is not None else batch_size, micro_batch_cost=budget,
+            lr_rule=self.lr_rule,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
@@ -255,10 +341,15 @@ class FeedClient:
         if self._feed is not None:
             self._feed.close()
             return
+        self._goodbye()
+
+    def _goodbye(self) -> None:
+        """Tell the service the batch in hand is delivered, and disconnect."""
         if self._sock is not None:
             try:
                 send(self._sock, {"op": "bye", "release": self._drain_released()})
                 receive(self._sock, MAX_REPLY_BYTES)
+                self._unacked = None
             except (OSError, EOFError, ProtocolError):
                 pass
             self._drop_connection()

@@ -22,7 +22,7 @@ class TopologyHints:
     grad_accum: int  # accumulation micro-steps per step after the change (as asked)
     previous_grad_accum: int
     topology_version: int
-    global_batch_samples: float  # samples per step after the change (mean for cost-budget batches)
+    global_batch_samples: int | None  # samples per step after the change (None: cost-budget batches vary)
     global_batch_cost: float | None  # cost units (e.g. tokens) per step after the change; None for fixed-size batches
     keep_global_batch_grad_accum: int | None  # accumulation that keeps the previous global batch (None: not a whole number)
     lr_rule: LrRule
@@ -34,7 +34,7 @@ class TopologyHints:
 
 
 def topology_hints(*, world_size: int, previous_world_size: int, grad_accum: int, previous_grad_accum: int,
-                   topology_version: int, micro_batch_samples: float, micro_batch_cost: float | None,
+                   topology_version: int, micro_batch_samples: int | None, micro_batch_cost: float | None,
                    lr_rule: LrRule = "linear") -> TopologyHints:
     """The hints of going from ``previous_world_size × previous_grad_accum`` to ``world_size × grad_accum``."""
     if lr_rule not in ("linear", "sqrt", "none"):
@@ -46,7 +46,7 @@ def topology_hints(*, world_size: int, previous_world_size: int, grad_accum: int
     return TopologyHints(
         world_size=world_size, previous_world_size=previous_world_size, grad_accum=grad_accum,
         previous_grad_accum=previous_grad_accum, topology_version=topology_version,
-        global_batch_samples=after * micro_batch_samples,
+        global_batch_samples=None if micro_batch_samples is None else after * micro_batch_samples,
         global_batch_cost=None if micro_batch_cost is None else after * micro_batch_cost,
         keep_global_batch_grad_accum=keep, lr_rule=lr_rule, lr_scale=scale,
     )

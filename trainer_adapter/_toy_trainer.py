@@ -1,9 +1,13 @@
-"""A toy training loop over `FeedClient`: the demo's trainer ranks, and a template for real ones.
+"""A toy training loop over `FeedClient`: the demo's trainer ranks, the torchrun test's job, a template for real ones.
 
-``python -m omnifeed.trainer_adapter._toy_trainer --address SOCKET --rank R --world-size W``
-trains a two-parameter model on each batch's image brightness for one epoch, checkpointing
-model and data state together (``--checkpoint``) every ``--save-every`` steps, resuming from
-the checkpoint when it exists, and prints one JSON summary line.
+``python -m omnifeed.trainer_adapter._toy_trainer --address SOCKET --rank R --world-size W``, or under
+``torchrun ... -m omnifeed.trainer_adapter._toy_trainer --torchrun --address SOCKET`` (gloo, DDP).
+Trains a tiny model on each batch's image brightness and text length until the epoch in
+progress is delivered (or ``--max-steps``), checkpointing model and data state together
+(``--checkpoint``, every ``--save-every`` steps, by rank 0: at a step boundary every rank's
+data state is the same) and resuming from the checkpoint when it exists — at whatever world
+size it now runs: loading the data state performs the resize, and the hints it returns
+scale the learning rate. Prints one JSON summary line per rank.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -18,10 +23,11 @@ from typing import Any
 import torch
 
 from ._client import FeedClient
+from ._hints import scale_learning_rate
 
 
 def _features(batch: dict[str, Any]) -> torch.Tensor:
-    """One number per sample: mean image brightness (0 without an image) and text length."""
+    """Two numbers per sample: mean image brightness (0 without an image) and text length."""
     n = len(batch["__key__"])
     x = torch.zeros(n, 2)
     if "image" in batch:
@@ -31,57 +37,88 @@ def _features(batch: dict[str, Any]) -> torch.Tensor:
     return x
 
 
-def _save(path: Path, model: torch.nn.Module, client: FeedClient, step: int) -> None:
-    """Model and data state in one file, written atomically (a crash never leaves half a checkpoint)."""
-    tmp = path.with_suffix(".tmp")
-    torch.save({"model": model.state_dict(), "data": client.state_dict(), "step": step}, tmp)
+def _save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, client: FeedClient, step: int) -> None:
+    """Model, optimizer and data state in one file, written atomically (a crash never leaves half a checkpoint)."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "data": client.state_dict(),
+                "step": step}, tmp)
     os.replace(tmp, path)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Train one epoch; print a JSON summary."""
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--address", required=True)
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world-size", type=int, default=1)
+    parser.add_argument("--torchrun", action="store_true", help="ranks from torchrun's environment; DDP over gloo")
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--save-every", type=int, default=4)
-    args = parser.parse_args(argv)
+    parser.add_argument("--max-steps", type=int, help="stop (and checkpoint) after this many steps in this run")
+    parser.add_argument("--kill-at-step", type=int, help="SIGKILL this process at that step (fault injection)")
+    parser.add_argument("--kill-rank", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train until the epoch in progress is delivered; print a JSON summary."""
+    args = _arguments(argv)
     torch.manual_seed(0)
-    model = torch.nn.Linear(2, 1)
+    model: torch.nn.Module = torch.nn.Linear(2, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    steps = samples = 0
+    if args.torchrun:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        client = FeedClient.from_torchrun_env(args.address)
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        client = FeedClient(args.address, rank=args.rank, world_size=args.world_size)
+    steps = samples = run_steps = 0
     cpu = 0.0
     loss = torch.zeros(())
-    with FeedClient(args.address, rank=args.rank, world_size=args.world_size) as client:
+    hints = None
+    with client:
         if args.checkpoint is not None and args.checkpoint.exists():
             saved = torch.load(args.checkpoint, weights_only=True)
             model.load_state_dict(saved["model"])
-            client.load_state_dict(saved["data"])
+            optimizer.load_state_dict(saved["optimizer"])
             steps = saved["step"]
+            hints = client.load_state_dict(saved["data"])  # a new world size: the resize, and what it means
+            if hints is not None:
+                scale_learning_rate(optimizer, hints.lr_scale)
         started = time.perf_counter()
         batches = iter(client)
-        while True:
+        while args.max_steps is None or run_steps < args.max_steps:
+            if args.kill_at_step == steps and client.rank == args.kill_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
             before = time.thread_time()
             batch = next(batches, None)
             cpu += time.thread_time() - before
             if batch is None:
                 break
+            if not batch["__key__"]:
+                raise RuntimeError(f"rank {client.rank} got an empty batch at step {steps}")
             x = _features(batch)
             loss = ((model(x).squeeze(1) - x[:, 0]) ** 2).mean()
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            steps += 1
+            steps, run_steps = steps + 1, run_steps + 1
             samples += len(batch["__key__"])
             del batch
-            if args.checkpoint is not None and steps % args.save_every == 0:
-                _save(args.checkpoint, model, client, steps)
-        elapsed = time.perf_counter() - started
-        summary = {"rank": args.rank, "steps": steps, "samples": samples, "loss": round(float(loss), 5),
-                   "seconds": round(elapsed, 3), "waited_s": round(client.waited_s, 3),
-                   "client_cpu_ms_per_batch": round(cpu / max(steps, 1) * 1e3, 3), "reconnects": client.reconnects}
+            if args.checkpoint is not None and client.rank == 0 and steps % args.save_every == 0:
+                _save(args.checkpoint, model, optimizer, client, steps)
+        if args.checkpoint is not None and client.rank == 0 and args.max_steps is not None:
+            _save(args.checkpoint, model, optimizer, client, steps)
+        summary = {"rank": client.rank, "world_size": client.world_size, "steps": steps, "run_steps": run_steps,
+                   "samples": samples, "loss": round(float(loss), 5), "seconds": round(time.perf_counter() - started, 3),
+                   "waited_s": round(client.waited_s, 3), "client_cpu_ms_per_batch": round(cpu / max(run_steps, 1) * 1e3, 3),
+                   "reconnects": client.reconnects, "hints": hints.to_json() if hints is not None else None}
     print(json.dumps(summary), flush=True)
+    if args.torchrun:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0
 
 
