@@ -27,33 +27,29 @@ from __future__ import annotations
 
 import json
 import logging
-from collections import OrderedDict
 import os
 import socket
 import stat
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ._collate import collate, uncollate
-from ._cursor import PlanCursor
 from ._decode import make_decoder
 from ._errors import OmnifeedError, StateMismatchError
-from ._audit import delivery_record
-from ._feed import Feed, feed_state
+from ._feed import feed_state
 from ._feed_metrics import FeedMetrics
 from ._feed_pipeline import FieldReader
 from ._healing import FeedError
 from ._index import SampleIndex
-from ._plan import Plan
+from ._plan import MicroBatch, Plan
 from ._pools import DecodePools
-from ._plan import MicroBatch
-from ._service_arena import Segment, SegmentWriter, encode_batch, grown_size, tensor_decoder
 from ._service_config import ServiceConfig
-from ._wire import MAX_REQUEST_BYTES, PROTOCOL, ProtocolError, decode, encode, receive, send
+from ._service_stream import Ready, RequestError, Stream
+from ._wire import MAX_REQUEST_BYTES, PROTOCOL, ProtocolError, receive, send
 
 log = logging.getLogger("omnifeed.service")
 
@@ -62,311 +58,13 @@ _HANDOVER_LIMIT = 512  # micro-batches of retired streams kept for the new ones
 _MAX_WORLD = 1 << 20
 
 
-class RequestError(OmnifeedError):
-    """A request the service refuses: sent back to the client as an error reply of kind ``code``."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _order(state: Mapping[str, Any]) -> tuple[int, int]:
-    """Where a feed state is in its stream: (steps dealt, micro-batches of the step delivered)."""
-    return int(state["plan"]["step"]), int(state["accum_done"])
-
-
-def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    return a["accum_done"] == b["accum_done"] and a["plan"] == b["plan"]
-
-
-@dataclass(eq=False)
-class _Ready:
-    """A collated batch in a segment: where it starts and ends in the stream, who took and still holds it."""
-
-    seq: int
-    before: dict[str, Any]
-    after: dict[str, Any]
-    segment: Segment
-    frame: bytes
-    record: dict[str, Any]
-    takers: set[int] = field(default_factory=set)
-    holders: set[int] = field(default_factory=set)
-    audited: bool = False
-
-
-@dataclass(eq=False)
-class _Attached:
-    """A client of a stream: its cursor, its batch in hand (audited when it moves past it), its waiting."""
-
-    client: int
-    rank: int
-    position: dict[str, Any]
-    since: str | None = None  # the checkpoint the client resumed from (its deliveries are tagged with it)
-    last: _Ready | None = None
-    batches: int = 0
-    waited_s: float = 0.0
-    last_wait_s: float = 0.0
-
-
-class _Stream:
-    """One data-parallel rank's batches: a feed, a producer thread, ready batches in shared memory."""
-
-    def __init__(self, service: FeedService, key: tuple[int, int, int], group: int, start: dict[str, Any]) -> None:
-        self.service, self.key, self.group = service, key, group
-        dp_world, dp_rank, accum = key
-        self.feed = Feed._sharing(service.index, service.plan, service.config.feed, service.reader,
-                                  service.feed_metrics, service.pools, service.take_handover,
-                                  world_size=dp_world, rank=dp_rank, grad_accum=accum)
-        self.resize_started: float | None = None  # set when this stream serves a new topology
-        self.feed.load_state_dict(start)
-        self.cond = threading.Condition()
-        self.ready: list[_Ready] = []
-        self.clients: dict[int, _Attached] = {}
-        self.head = self.feed.state_dict()  # where the producer continues
-        self.restart_to: dict[str, Any] | None = None
-        self.error: BaseException | None = None
-        self.closed = False
-        self.idle_since: float | None = time.monotonic()
-        self._seq = 0
-        self._slots: list[Segment] = []
-        self._free: list[Segment] = []
-        self._prefetch = service.config.prefetch_batches
-        self._thread = threading.Thread(target=self._produce, name=f"omnifeed-stream-{dp_rank}", daemon=True)
-        self._thread.start()
-
-    # -- producer --------------------------------------------------------------------------
-    def _waiting(self) -> int:
-        return sum(1 for b in self.ready if not self._done_with(b))
-
-    def _room(self) -> bool:
-        untaken = sum(1 for b in self.ready if not b.takers)
-        return untaken < self._prefetch and self._waiting() < self._prefetch + 2 * self.group
-
-    def _produce(self) -> None:
-        try:
-            while True:
-                with self.cond:
-                    while not self.closed and self.restart_to is None and not self._room():
-                        self.cond.wait(0.5)
-                    if self.closed:
-                        return
-                    if self.restart_to is not None:
-                        self._restart(self.restart_to)
-                        continue
-                    before = self.head
-                taken = self.feed._take()
-                after = self.feed.state_dict()
-                with self.cond:
-                    if self.closed:
-                        return
-                    if self.restart_to is not None:  # a client asked for an earlier position meanwhile
-                        continue
-                    segment = self._segment()
-                self._publish(taken, before, after, segment)
-        except BaseException as exc:  # noqa: BLE001  handed to the clients, who get an error reply
-            with self.cond:
-                if not self.closed:
-                    log.error("stream %s stopped: %s: %s", self.key, type(exc).__name__, exc)
-                    self.error = exc
-                self.cond.notify_all()
-
-    def _restart(self, state: dict[str, Any]) -> None:
-        """Continue production at ``state`` (called by the producer, holding the lock)."""
-        self.restart_to = None
-        for ready in list(self.ready):
-            self._drop(ready)
-        self.feed.load_state_dict(state)
-        self.head = self.feed.state_dict()
-
-    def _segment(self) -> Segment:
-        if self._free:
-            return self._free.pop()
-        if len(self._slots) < self._prefetch + 2 * self.group + 2:
-            segment = Segment(len(self._slots), 0, self._slots[-1].size if self._slots else 0)
-            self._slots.append(segment)
-            return segment
-        return Segment(-1, 0, self._slots[-1].size)  # clients hold every slot: a one-off
-
-    def _publish(self, taken: Any, before: dict[str, Any], after: dict[str, Any], segment: Segment) -> None:
-        writer = SegmentWriter(segment)
-        batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
-        if writer.overflowed:
-            grown = Segment(segment.slot, segment.generation + 1, grown_size(writer.needed))
-            del batch
-            with self.cond:
-                if segment.slot >= 0:
-                    self._slots[segment.slot] = grown
-            segment.close()
-            segment, writer = grown, SegmentWriter(grown)
-            batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
-        message = {"op": "batch", "seq": self._seq, "segment": segment.name, "batch": encode_batch(batch, segment),
-                   "state": after}
-        frame = encode(message)
-        del batch, message
-        with self.cond:
-            self.ready.append(_Ready(self._seq, before, after, segment, frame, taken.record))
-            self._seq += 1
-            self.head = after
-            self.cond.notify_all()
-
-    # -- clients ---------------------------------------------------------------------------
-    def servable(self, state: dict[str, Any]) -> bool:
-        """Whether ``state`` is ahead of or at a batch this stream still has (holding the lock)."""
-        if self.restart_to is not None:
-            return _order(state) >= _order(self.restart_to)
-        earliest = min((_order(b.before) for b in self.ready), default=_order(self.head))
-        if _order(state) < earliest:
-            return False
-        if any(_same(b.before, state) for b in self.ready) or _same(self.head, state):
-            return True
-        return _order(state) > _order(self.head)
-
-    def attach(self, client: int, rank: int, state: dict[str, Any], since: str | None) -> None:
-        """Serve ``client`` from ``state``; restart production there when this stream is past it (holding the lock)."""
-        if not self.servable(state):
-            later = [c for c in self.clients.values() if _order(c.position) < _order(state)]
-            if later:
-                raise RequestError("position", "another client of this data-parallel rank is at an earlier "
-                                   "position that does not lead to yours; tensor-parallel peers must resume from "
-                                   "the same checkpoint")
-            self.restart_to = state
-        self.clients[client] = _Attached(client, rank, state, since)
-        self.idle_since = None
-        self.cond.notify_all()
-
-    def detach(self, client: int, moved_past: bool) -> None:
-        """The client left (``moved_past``: it said goodbye, so its batch in hand is delivered)."""
-        with self.cond:
-            attached = self.clients.pop(client, None)
-            if attached is None:
-                return
-            if moved_past and attached.last is not None:
-                self._audit(attached.last, attached.since)
-            for ready in self.ready:
-                ready.holders.discard(client)
-            self._collect()
-            if not self.clients:
-                self.idle_since = time.monotonic()
-            self.cond.notify_all()
-
-    def release(self, client: int, seqs: list[int]) -> None:
-        """The client dropped these batches' tensors: their segments may be reused (holding the lock)."""
-        wanted = set(seqs)
-        for ready in self.ready:
-            if ready.seq in wanted:
-                ready.holders.discard(client)
-
-    def take(self, client: int, stopping: threading.Event) -> _Ready:
-        """The batch that starts at the client's cursor (blocks until produced)."""
-        with self.cond:
-            attached = self.clients[client]
-            if attached.last is not None:  # asking for the next batch: it moved past the last one
-                self._audit(attached.last, attached.since)
-            self._collect()
-            started = time.perf_counter()
-            while True:
-                if self.error is not None:
-                    raise RequestError("feed", f"the feed stopped: {type(self.error).__name__}: {self.error}")
-                if self.closed or stopping.is_set():
-                    raise RequestError("closing", "the service is shutting down")
-                found = next((b for b in self.ready if _same(b.before, attached.position)), None)
-                if found is not None:
-                    break
-                self.cond.wait(0.5)
-            waited = time.perf_counter() - started
-            if self.resize_started is not None:
-                self.service.record_resize(time.perf_counter() - self.resize_started)
-                self.resize_started = None
-            attached.waited_s += waited
-            attached.last_wait_s = waited
-            attached.batches += 1
-            found.takers.add(client)
-            found.holders.add(client)
-            attached.position, attached.last = found.after, found
-            self._collect()
-            self.cond.notify_all()
-            return found
-
-    def reack(self, state: dict[str, Any], since: str | None) -> None:
-        """Audit the batch a client yielded before the service restarted (from where it started)."""
-        cursor = PlanCursor(self.feed.plan, world_size=self.key[0], grad_accum=self.key[2])
-        cursor.load_state_dict(state["plan"])
-        step = cursor.next_step()
-        accum = int(state["accum_done"])
-        micro_batch = step.for_rank(self.key[1])[accum]
-        record = delivery_record(step, self.key[1], accum, micro_batch, self.service.index.keys(micro_batch.positions))
-        self.service.write_audit({**record, "replaced": [], "reack": True, "since": since})
-
-    def _audit(self, ready: _Ready, since: str | None) -> None:
-        if not ready.audited:
-            ready.audited = True
-            self.service.write_audit({**ready.record, "since": since})
-
-    def _done_with(self, ready: _Ready) -> bool:
-        """No client of the group needs this batch any more (holders aside)."""
-        past = all(_order(c.position) > _order(ready.before) for c in self.clients.values())
-        return past and (len(self.clients) >= self.group or len(ready.takers) >= self.group)
-
-    def _collect(self) -> None:
-        for ready in list(self.ready):
-            if not ready.holders and self._done_with(ready):
-                self._drop(ready)
-
-    def _drop(self, ready: _Ready) -> None:
-        """Forget a batch; its segment is free again once no client holds it."""
-        self.ready.remove(ready)
-        if ready.holders:
-            self.service.lent(ready, self)
-            return
-        self.recycle(ready.segment)
-
-    def recycle(self, segment: Segment) -> None:
-        """A segment no client holds any more (holding the lock)."""
-        if segment.slot >= 0 and segment.slot < len(self._slots) and self._slots[segment.slot] is segment:
-            self._free.append(segment)
-        else:
-            segment.close()
-
-    def harvest(self) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
-        """Batches no client took yet, as (delivery record, decoded samples) private copies (holding the lock)."""
-        harvested = []
-        for ready in self.ready:
-            base = ready.segment.base
-            if ready.takers or ready.record.get("replaced") or base is None:
-                continue
-            batch = decode(ready.frame[4:], tensor_decoder(lambda slot, generation: base))["batch"]
-            harvested.append((ready.record, uncollate(batch)))
-        return harvested
-
-    def segments(self) -> tuple[int, int]:
-        """Segments this stream keeps and their bytes."""
-        with self.cond:
-            return len(self._slots), sum(s.size for s in self._slots)
-
-    def close(self) -> None:
-        """Stop the producer, the feed and free every segment (idempotent)."""
-        with self.cond:
-            if self.closed:
-                return
-            self.closed = True
-            self.cond.notify_all()
-        self.feed.close()
-        self._thread.join(timeout=30)
-        with self.cond:
-            for segment in self._slots:
-                segment.close()
-            self._slots.clear()
-            self._free.clear()
-            self.ready.clear()
-
-
 @dataclass(eq=False)
 class _Connection:
     """One client connection: its socket, who it is, the segments it has mapped."""
 
     id: int
     sock: socket.socket
-    stream: _Stream | None = None
+    stream: Stream | None = None
     known: set[tuple[int, int]] = field(default_factory=set)
     said_bye: bool = False
 
@@ -383,8 +81,8 @@ class FeedService:
         self.reader = FieldReader(config.feed, decoders, self.feed_metrics, self.index.fingerprint)
         self.pools = DecodePools(config.feed, self._pool_error)
         self._lock = threading.Lock()
-        self._lent: list[tuple[_Ready, _Stream]] = []
-        self._streams: dict[tuple[int, int, int], _Stream] = {}
+        self._lent: list[tuple[Ready, Stream]] = []
+        self._streams: dict[tuple[int, int, int], Stream] = {}
         self._connections: dict[int, _Connection] = {}
         self._next_id = 1
         self._audit_lock = threading.Lock()
@@ -589,7 +287,7 @@ class FeedService:
         with self._lock:
             stream = self._streams.get(key)
             if stream is None or stream.closed:
-                stream = self._streams[key] = _Stream(self, key, world // dp_world, state)
+                stream = self._streams[key] = Stream(self, key, world // dp_world, state)
                 if resized:
                     stream.resize_started = time.perf_counter()
         since = message.get("resume")
@@ -652,13 +350,13 @@ class FeedService:
             pass
 
     # -- resizes: streams of an old topology hand their prefetched batches over -----------------
-    def _stale_streams(self) -> list[_Stream]:
+    def _stale_streams(self) -> list[Stream]:
         """Client-less streams of another topology than the newest (holding the service lock); removed."""
         stale = [k for k, s in self._streams.items()
                  if (k[0], k[2]) != self._topology and not s.clients and self._topology is not None]
         return [self._streams.pop(k) for k in stale]
 
-    def _retire(self, streams: list[_Stream]) -> None:
+    def _retire(self, streams: list[Stream]) -> None:
         """Keep the decoded samples of their untaken batches for whichever new stream deals them; close them."""
         for stream in streams:
             with stream.cond:
@@ -688,7 +386,7 @@ class FeedService:
             self.last_resize_s = seconds
 
     # -- batches lent to clients after their stream moved on ---------------------------------
-    def lent(self, ready: _Ready, stream: _Stream) -> None:
+    def lent(self, ready: Ready, stream: Stream) -> None:
         """Keep track of a dropped batch that clients still hold (called holding the stream's lock)."""
         with self._lock:
             self._lent.append((ready, stream))
