@@ -25,6 +25,7 @@ segments are reused); segments are ``memfd`` files, so nothing outlives the proc
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import socket
 import stat
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -66,6 +68,7 @@ class _Connection:
     sock: socket.socket
     stream: Stream | None = None
     known: set[tuple[int, int]] = field(default_factory=set)
+    token: str = ""  # the client's own id, the same across its reconnections
     said_bye: bool = False
 
 
@@ -85,6 +88,8 @@ class FeedService:
         self._streams: dict[tuple[int, int, int], Stream] = {}
         self._connections: dict[int, _Connection] = {}
         self._next_id = 1
+        self._seqs = itertools.count()
+        self.instance = uuid.uuid4().hex  # clients tell services apart by it (batch numbers are per instance)
         self._audit_lock = threading.Lock()
         self._resumes: set[str] = set()
         self._audit: IO[str] | None = open(config.audit_log, "a", encoding="utf-8") if config.audit_log else None  # noqa: SIM115
@@ -244,6 +249,7 @@ class FeedService:
             return True
         if op == "bye":
             connection.said_bye = True
+            self._release(connection.token, message.get("release", []))
             send(connection.sock, {"op": "bye"})
             return False
         raise RequestError("protocol", f"unknown request {op!r}")
@@ -290,6 +296,10 @@ class FeedService:
                 stream = self._streams[key] = Stream(self, key, world // dp_world, state)
                 if resized:
                     stream.resize_started = time.perf_counter()
+        token = message.get("token", f"connection-{connection.id}")
+        if not isinstance(token, str) or not 0 < len(token) <= 64:
+            raise RequestError("protocol", "hello field 'token' must be a string of 1 to 64 characters")
+        connection.token = token
         since = message.get("resume")
         if since is not None and (not isinstance(since, str) or len(since) > 64):
             raise RequestError("protocol", "hello field 'resume' must be a string of at most 64 characters")
@@ -297,7 +307,7 @@ class FeedService:
             self._mark_resume(since, state)
         with stream.cond:
             stream.group = max(stream.group, world // dp_world)
-            stream.attach(connection.id, rank, state, since)
+            stream.attach(connection.id, token, rank, state, since)
         connection.stream = stream
         reack = message.get("reack")
         if reack is not None:
@@ -305,7 +315,7 @@ class FeedService:
                 stream.reack(feed_state(self.plan, reack, world_size=dp_world, grad_accum=accum), since)
             except (ValueError, TypeError, KeyError, IndexError, FeedError, StateMismatchError) as exc:
                 log.warning("client %d re-sent an unusable delivery (%s); not audited", connection.id, exc)
-        return {"op": "welcome", "protocol": PROTOCOL, "client": connection.id, "state": state,
+        return {"op": "welcome", "protocol": PROTOCOL, "client": connection.id, "service": self.instance, "state": state,
                 "index_fingerprint": self.plan.index_fingerprint, "config_fingerprint": self.plan.config_fingerprint,
                 "num_samples": self.index.num_samples, "batch_size": self.plan.config.batch_size,
                 "budget": self.plan.budget}
@@ -314,12 +324,7 @@ class FeedService:
         stream = connection.stream
         if stream is None:
             raise RequestError("protocol", "send hello before asking for batches")
-        released = message.get("release", [])
-        if not isinstance(released, list) or len(released) > 1024 or not all(isinstance(s, int) for s in released):
-            raise RequestError("protocol", "'release' must be a list of at most 1024 batch numbers")
-        with stream.cond:
-            stream.release(connection.id, released)
-        self._release_lent(connection.id, released)
+        self._release(connection.token, message.get("release", []))
         ready = stream.take(connection.id, self._stopping)
         segment = ready.segment
         name = (segment.slot, segment.generation)
@@ -335,6 +340,23 @@ class FeedService:
         else:
             sock.sendall(ready.frame)
 
+    def _release(self, token: str, released: Any) -> None:
+        """The client's trainer dropped these batches (numbers are unique in this service, across streams)."""
+        if not isinstance(released, list) or len(released) > 4096 or not all(isinstance(s, int) for s in released):
+            raise RequestError("protocol", "'release' must be a list of at most 4096 batch numbers")
+        if not released:
+            return
+        wanted = set(released)
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.release(token, wanted)
+        self._release_lent(token, wanted)
+
+    def next_seq(self) -> int:
+        """A batch number unique in this service process."""
+        return next(self._seqs)
+
     def _disconnect(self, connection: _Connection) -> None:
         with self._lock:
             self._connections.pop(connection.id, None)
@@ -343,7 +365,7 @@ class FeedService:
             with self._lock:
                 retiring = self._stale_streams()
             self._retire(retiring)
-        self._release_lent(connection.id, None)
+        self._release_lent(connection.token, None)
         try:
             connection.sock.close()
         except OSError:
@@ -391,18 +413,19 @@ class FeedService:
         with self._lock:
             self._lent.append((ready, stream))
 
-    def _release_lent(self, client: int, seqs: list[int] | None) -> None:
+    def _release_lent(self, token: str, seqs: set[int] | None) -> None:
         with self._lock:
             if not self._lent:
                 return
             lent = list(self._lent)
         done = []
         for ready, stream in lent:
-            if seqs is None or ready.seq in seqs:
+            if token in ready.holders and (seqs is None or ready.seq in seqs):
                 with stream.cond:
-                    ready.holders.discard(client)
+                    ready.holders.discard(token)
+                    ready.abandoned = ready.abandoned or seqs is None  # its client left holding it
                     if not ready.holders:
-                        stream.recycle(ready.segment)
+                        stream.recycle(ready)
                         done.append(ready)
         if done:
             with self._lock:

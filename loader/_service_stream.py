@@ -57,7 +57,8 @@ class Ready:
     frame: bytes
     record: dict[str, Any]
     takers: set[int] = field(default_factory=set)
-    holders: set[int] = field(default_factory=set)
+    holders: set[str] = field(default_factory=set)  # tokens of the clients whose trainer still holds its tensors
+    abandoned: bool = False  # a client left holding it: its segment is never reused (the client may still read it)
     audited: bool = False
 
 
@@ -66,6 +67,7 @@ class _Attached:
     """A client of a stream: its cursor, its batch in hand (audited when it moves past it), its waiting."""
 
     client: int
+    token: str
     rank: int
     position: dict[str, Any]
     since: str | None = None  # the checkpoint the client resumed from (its deliveries are tagged with it)
@@ -94,7 +96,6 @@ class Stream:
         self.error: BaseException | None = None
         self.closed = False
         self.idle_since: float | None = time.monotonic()
-        self._seq = 0
         self._slots: list[Segment] = []
         self._free: list[Segment] = []
         self._prefetch = service.config.prefetch_batches
@@ -166,13 +167,13 @@ class Stream:
             segment.close()
             segment, writer = grown, SegmentWriter(grown)
             batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
-        message = {"op": "batch", "seq": self._seq, "segment": segment.name, "batch": encode_batch(batch, segment),
+        seq = self.service.next_seq()
+        message = {"op": "batch", "seq": seq, "segment": segment.name, "batch": encode_batch(batch, segment),
                    "state": after}
         frame = encode(message)
         del batch, message
         with self.cond:
-            self.ready.append(Ready(self._seq, before, after, segment, frame, taken.record))
-            self._seq += 1
+            self.ready.append(Ready(seq, before, after, segment, frame, taken.record))
             self.head = after
             self.cond.notify_all()
 
@@ -188,7 +189,7 @@ class Stream:
             return True
         return _order(state) > _order(self.head)
 
-    def attach(self, client: int, rank: int, state: dict[str, Any], since: str | None) -> None:
+    def attach(self, client: int, token: str, rank: int, state: dict[str, Any], since: str | None) -> None:
         """Serve ``client`` from ``state``; restart production there when this stream is past it (holding the lock)."""
         if not self.servable(state):
             later = [c for c in self.clients.values() if _order(c.position) < _order(state)]
@@ -197,12 +198,16 @@ class Stream:
                                    "position that does not lead to yours; tensor-parallel peers must resume from "
                                    "the same checkpoint")
             self.restart_to = state
-        self.clients[client] = _Attached(client, rank, state, since)
+        self.clients[client] = _Attached(client, token, rank, state, since)
         self.idle_since = None
         self.cond.notify_all()
 
     def detach(self, client: int, moved_past: bool) -> None:
-        """The client left (``moved_past``: it said goodbye, so its batch in hand is delivered)."""
+        """The client left (``moved_past``: it said goodbye, so its batch in hand is delivered).
+
+        Segments of batches it still held are never reused: the service closes its side and
+        the pages go when the client's last tensor of them does (or with the client, if it died).
+        """
         with self.cond:
             attached = self.clients.pop(client, None)
             if attached is None:
@@ -210,18 +215,22 @@ class Stream:
             if moved_past and attached.last is not None:
                 self._audit(attached.last, attached.since)
             for ready in self.ready:
-                ready.holders.discard(client)
+                if attached.token in ready.holders:
+                    ready.holders.discard(attached.token)
+                    ready.abandoned = True
             self._collect()
             if not self.clients:
                 self.idle_since = time.monotonic()
             self.cond.notify_all()
 
-    def release(self, client: int, seqs: list[int]) -> None:
-        """The client dropped these batches' tensors: their segments may be reused (holding the lock)."""
-        wanted = set(seqs)
-        for ready in self.ready:
-            if ready.seq in wanted:
-                ready.holders.discard(client)
+    def release(self, token: str, seqs: set[int]) -> None:
+        """The client dropped these batches' tensors: their segments may be reused."""
+        with self.cond:
+            for ready in self.ready:
+                if ready.seq in seqs:
+                    ready.holders.discard(token)
+            self._collect()
+            self.cond.notify_all()
 
     def take(self, client: int, stopping: threading.Event) -> Ready:
         """The batch that starts at the client's cursor (blocks until produced)."""
@@ -248,7 +257,7 @@ class Stream:
             attached.last_wait_s = waited
             attached.batches += 1
             found.takers.add(client)
-            found.holders.add(client)
+            found.holders.add(attached.token)
             attached.position, attached.last = found.after, found
             self._collect()
             self.cond.notify_all()
@@ -285,14 +294,19 @@ class Stream:
         if ready.holders:
             self.service.lent(ready, self)
             return
-        self.recycle(ready.segment)
+        self.recycle(ready)
 
-    def recycle(self, segment: Segment) -> None:
-        """A segment no client holds any more (holding the lock)."""
-        if segment.slot >= 0 and segment.slot < len(self._slots) and self._slots[segment.slot] is segment:
+    def recycle(self, ready: Ready) -> None:
+        """A batch no client holds any more: its segment is free again, or closed if a departed client may read it."""
+        segment = ready.segment
+        mine = 0 <= segment.slot < len(self._slots) and self._slots[segment.slot] is segment
+        if mine and not ready.abandoned:
             self._free.append(segment)
-        else:
-            segment.close()
+            return
+        if mine:  # the slot gets a fresh segment when next needed
+            self._slots[segment.slot] = Segment(segment.slot, segment.generation + 1, segment.size)
+            self._free.append(self._slots[segment.slot])
+        segment.close()
 
     def harvest(self) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
         """Batches no client took yet, as (delivery record, decoded samples) private copies (holding the lock)."""

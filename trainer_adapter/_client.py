@@ -20,6 +20,7 @@ import mmap
 import os
 import socket
 import time
+import uuid
 import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -68,7 +69,9 @@ class FeedClient:
         self._unacked: dict[str, Any] | None = None  # start of a yielded batch the service may not have audited
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._pending_fds: list[int] = []
-        self._released: list[list[int]] = []
+        self._released: list[tuple[str, int]] = []  # (service instance, batch number) of batches the trainer dropped
+        self._service = ""  # batch numbers belong to one service process: a release must not reach another
+        self._token = uuid.uuid4().hex  # this client, across its reconnections
         self._decode = tensor_decoder(self._base)
         self._bases: list[np.ndarray] = []
         self.waited_s = 0.0
@@ -179,7 +182,7 @@ class FeedClient:
         try:
             message = decode(body, self._decode)
             if self._bases and message["op"] == "batch":  # the batch's memory goes back when it is dropped
-                weakref.finalize(self._bases[-1], self._released.append, [int(message["seq"])])
+                weakref.finalize(self._bases[-1], self._released.append, (self._service, int(message["seq"])))
         finally:
             for fd in self._pending_fds:  # sent but not referred to: nothing to map
                 os.close(fd)
@@ -214,7 +217,7 @@ class FeedClient:
 
     def _drain_released(self) -> list[int]:
         released, self._released = self._released, []
-        return [box[0] for box in released]
+        return [seq for service, seq in released if service == self._service]
 
     # -- connection ------------------------------------------------------------------------
     def _connected(self, deadline: float) -> socket.socket:
@@ -231,7 +234,7 @@ class FeedClient:
             hello = {"op": "hello", "protocol": PROTOCOL, "pid": os.getpid(), "rank": self.rank,
                      "world_size": self.world_size, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
                      "grad_accum": self.grad_accum, "state": self._state, "reack": self._unacked,
-                     "resume": self._resumed_from,
+                     "resume": self._resumed_from, "token": self._token,
                      "index_fingerprint": self.index_fingerprint}
             send(sock, hello)
             reply, _ = receive(sock, MAX_REPLY_BYTES)
@@ -242,7 +245,9 @@ class FeedClient:
         self._state = welcome["state"]
         self.index_fingerprint = welcome["index_fingerprint"]
         self._plan_shape = (int(welcome["batch_size"]), welcome["budget"])
-        self._maps.clear()  # segment numbers belong to that service process
+        if welcome["service"] != self._service:
+            self._maps.clear()  # segment numbers belong to that service process
+            self._service = welcome["service"]
         return sock
 
     def _lost(self, exc: BaseException, deadline: float) -> None:
@@ -291,7 +296,7 @@ class FeedClient:
         if self._feed is not None:
             self._feed.load_state_dict(state)
         else:
-            self._drop_connection()
+            self._goodbye()
             self._state, self._unacked = dict(state), None
             self._resumed_from = xxhash.xxh64_hexdigest(json.dumps(state, sort_keys=True).encode())
             self._connected(time.monotonic() + self.reconnect_timeout_s)
@@ -344,7 +349,7 @@ class FeedClient:
         self._goodbye()
 
     def _goodbye(self) -> None:
-        """Tell the service the batch in hand is delivered, and disconnect."""
+        """Tell the service the batch in hand is delivered, and disconnect (batches still held stay valid)."""
         if self._sock is not None:
             try:
                 send(self._sock, {"op": "bye", "release": self._drain_released()})

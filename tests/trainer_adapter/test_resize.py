@@ -155,3 +155,23 @@ def test_scale_learning_rate_touches_every_param_group_and_the_schedulers_base()
     assert scheduler.base_lrs  # the scheduler still works with the scaled groups
     with pytest.raises(ValueError):
         scale_learning_rate(optimizer, 0.0)
+
+
+def test_batches_held_across_a_resize_and_a_close_are_never_overwritten(index_dir: Path, tmp_path: Path) -> None:
+    config = service_config(index_dir, tmp_path / "audit.jsonl")
+    with FeedService(config):
+        client = FeedClient(config.socket, rank=0, world_size=2)
+        held = [client.next_batch() for _ in range(2)]
+        copies = [{k: v.clone() for k, v in b.get("image", {}).items()} for b in held]
+        client.resize(1, 0)
+        more = [client.next_batch() for _ in range(8)]  # enough to cycle every segment of the new stream
+        client.close()
+        other = FeedClient(config.socket, rank=0, world_size=1)
+        other.load_state_dict(client.state_dict())
+        for _ in range(8):
+            other.next_batch()
+        other.close()
+        for batch, copy in zip(held, copies):
+            for name, value in copy.items():
+                assert torch.equal(batch["image"][name], value), name
+        assert all(b["__key__"] for b in more)
