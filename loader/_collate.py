@@ -101,15 +101,16 @@ def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any
     return batch
 
 
-def uncollate(batch: dict[str, Any]) -> list[Decoded]:
-    """The decoded samples of a collated batch, as private copies (collate's inverse, padding removed)."""
+def uncollate(batch: dict[str, Any], copy: bool = True) -> list[Decoded]:
+    """The decoded samples of a collated batch (collate's inverse, padding removed): copies, or views of it."""
     n = len(batch["__key__"])
     samples: list[Decoded] = [{} for _ in range(n)]
     if "text" in batch:
         text = batch["text"]
         for row, slot in enumerate(text["index"].tolist()):
             length = int(text["lengths"][row])
-            samples[slot]["text"] = (text["strings"][row], text["tokens"][row, :length].clone())
+            tokens = text["tokens"][row, :length]
+            samples[slot]["text"] = (text["strings"][row], torch.from_numpy(tokens.numpy().copy()) if copy else tokens)
     for modality, name in (("image", "pixels"), ("video", "frames"), ("audio", "samples")):
         if modality not in batch:
             continue
@@ -123,7 +124,8 @@ def uncollate(batch: dict[str, Any]) -> list[Decoded]:
             if "sizes" in field:
                 height, width = field["sizes"][row].tolist()
                 value = value[..., :height, :width]
-            samples[slot][modality] = value.clone()
+            # numpy copies: torch's clone runs on its intra-op pool, which fights the decode threads (see _pad_stack)
+            samples[slot][modality] = torch.from_numpy(np.ascontiguousarray(value.numpy())) if copy else value
     for name, values in batch.get("meta", {}).items():
         for slot, value in enumerate(values):
             if value is not None:

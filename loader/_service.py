@@ -103,6 +103,9 @@ class FeedService:
         self.resize_seconds = self.last_resize_s = 0.0
         self.handed_over = 0  # micro-batches a new stream took decoded from a retired one
         self._topology: tuple[int, int] | None = None  # (data-parallel size, accumulation) of the newest stream
+        self._changing = threading.Lock()  # serializes topology changes: retire and hand over, then new streams
+        self._change_started: float | None = None  # when the latest change's first hello arrived
+        self._change_max = 0.0  # the slowest stream of that change to its first batch
         self._handover: OrderedDict[tuple[int, int], tuple[list[str], list[dict[str, Any]]]] = OrderedDict()
 
     def _pool_error(self, exc: BaseException) -> None:
@@ -250,6 +253,7 @@ class FeedService:
         if op == "bye":
             connection.said_bye = True
             self._release(connection.token, message.get("release", []))
+            self._leave_stream(connection)  # before the reply: a resizing client's next hello finds it gone
             send(connection.sock, {"op": "bye"})
             return False
         raise RequestError("protocol", f"unknown request {op!r}")
@@ -279,23 +283,25 @@ class FeedService:
         except (ValueError, TypeError, KeyError, FeedError) as exc:
             raise RequestError("state", f"the client's state is not usable here: {exc}") from None
         key = (dp_world, dp_rank, accum)
-        with self._lock:
-            stream = self._streams.get(key)
-            if stream is None or stream.closed:
-                resized = self._topology is not None and self._topology != (dp_world, accum)
-                if self._topology != (dp_world, accum):
-                    self._topology = (dp_world, accum)
-                    self.resizes += resized
-                retiring = self._stale_streams()
-            else:
-                resized, retiring = False, []
-        self._retire(retiring)  # their prefetched batches are handed over before the new streams plan ahead
-        with self._lock:
-            stream = self._streams.get(key)
-            if stream is None or stream.closed:
-                stream = self._streams[key] = Stream(self, key, world // dp_world, state)
-                if resized:
-                    stream.resize_started = time.perf_counter()
+        with self._changing:  # a topology change: the old streams hand over before any new stream plans ahead
+            with self._lock:
+                stream = self._streams.get(key)
+                if stream is None or stream.closed:
+                    if self._topology != (dp_world, accum):
+                        if self._topology is not None:
+                            self.resizes += 1
+                            self._change_started, self._change_max = time.perf_counter(), 0.0
+                            self._handover.clear()  # entries of an earlier change are stale
+                        self._topology = (dp_world, accum)
+                    retiring = self._stale_streams()
+                else:
+                    retiring = []
+            self._retire(retiring)
+            with self._lock:
+                stream = self._streams.get(key)
+                if stream is None or stream.closed:
+                    stream = self._streams[key] = Stream(self, key, world // dp_world, state)
+                    stream.resize_started = self._change_started
         token = message.get("token", f"connection-{connection.id}")
         if not isinstance(token, str) or not 0 < len(token) <= 64:
             raise RequestError("protocol", "hello field 'token' must be a string of 1 to 64 characters")
@@ -340,6 +346,16 @@ class FeedService:
         else:
             sock.sendall(ready.frame)
 
+    def _leave_stream(self, connection: _Connection) -> None:
+        stream, connection.stream = connection.stream, None
+        if stream is None:
+            return
+        stream.detach(connection.id, connection.said_bye)
+        with self._changing:
+            with self._lock:
+                retiring = self._stale_streams()
+            self._retire(retiring)
+
     def _release(self, token: str, released: Any) -> None:
         """The client's trainer dropped these batches (numbers are unique in this service, across streams)."""
         if not isinstance(released, list) or len(released) > 4096 or not all(isinstance(s, int) for s in released):
@@ -360,11 +376,7 @@ class FeedService:
     def _disconnect(self, connection: _Connection) -> None:
         with self._lock:
             self._connections.pop(connection.id, None)
-        if connection.stream is not None:
-            connection.stream.detach(connection.id, connection.said_bye)
-            with self._lock:
-                retiring = self._stale_streams()
-            self._retire(retiring)
+        self._leave_stream(connection)
         self._release_lent(connection.token, None)
         try:
             connection.sock.close()
@@ -401,11 +413,15 @@ class FeedService:
         self.handed_over += 1
         return entry[1]
 
-    def record_resize(self, seconds: float) -> None:
-        """A stream of a new topology served its first batch ``seconds`` after it was asked for."""
+    def record_resize(self, started: float) -> None:
+        """A stream of the latest topology served its first batch; the change took until the slowest one's."""
         with self._lock:
-            self.resize_seconds += seconds
-            self.last_resize_s = seconds
+            if started != self._change_started:
+                return
+            seconds = time.perf_counter() - started
+            if seconds > self._change_max:
+                self.resize_seconds += seconds - self._change_max
+                self._change_max = self.last_resize_s = seconds
 
     # -- batches lent to clients after their stream moved on ---------------------------------
     def lent(self, ready: Ready, stream: Stream) -> None:

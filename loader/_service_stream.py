@@ -251,7 +251,7 @@ class Stream:
                 self.cond.wait(0.5)
             waited = time.perf_counter() - started
             if self.resize_started is not None:
-                self.service.record_resize(time.perf_counter() - self.resize_started)
+                self.service.record_resize(self.resize_started)
                 self.resize_started = None
             attached.waited_s += waited
             attached.last_wait_s = waited
@@ -309,14 +309,16 @@ class Stream:
         segment.close()
 
     def harvest(self) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
-        """Batches no client took yet, as (delivery record, decoded samples) private copies (holding the lock)."""
+        """Batches no client took yet, as (delivery record, decoded samples): views of their segments, which are never
+        reused (holding the lock). The views keep the pages alive after the stream closes."""
         harvested = []
         for ready in self.ready:
             base = ready.segment.base
             if ready.takers or ready.record.get("replaced") or base is None:
                 continue
             batch = decode(ready.frame[4:], tensor_decoder(lambda slot, generation: base))["batch"]
-            harvested.append((ready.record, uncollate(batch)))
+            harvested.append((ready.record, uncollate(batch, copy=False)))
+            ready.abandoned = True
         return harvested
 
     def segments(self) -> tuple[int, int]:

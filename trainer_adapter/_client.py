@@ -245,9 +245,8 @@ class FeedClient:
         self._state = welcome["state"]
         self.index_fingerprint = welcome["index_fingerprint"]
         self._plan_shape = (int(welcome["batch_size"]), welcome["budget"])
-        if welcome["service"] != self._service:
-            self._maps.clear()  # segment numbers belong to that service process
-            self._service = welcome["service"]
+        self._maps.clear()  # segment numbers belong to a connection's stream; the service sends each one anew
+        self._service = welcome["service"]
         return sock
 
     def _lost(self, exc: BaseException, deadline: float) -> None:
