@@ -470,10 +470,10 @@ class FeedService:
         with self._lock:
             streams = list(self._streams.values())
         clients = []
-        segments = segment_bytes = 0
+        segments = segment_bytes = one_offs = 0
         for stream in streams:
             count, nbytes = stream.segments()
-            segments, segment_bytes = segments + count, segment_bytes + nbytes
+            segments, segment_bytes, one_offs = segments + count, segment_bytes + nbytes, one_offs + stream.one_offs
             with stream.cond:
                 for attached in stream.clients.values():
                     clients.append({"client": str(attached.client), "rank": attached.rank, "dp_rank": stream.key[1],
@@ -483,7 +483,8 @@ class FeedService:
         return {
             "service": {"uptime_s": time.monotonic() - self._started, "protocol": PROTOCOL,
                         "index_fingerprint": self.plan.index_fingerprint, "clients": len(clients),
-                        "streams": len(streams), "segments": segments, "segment_bytes": segment_bytes},
+                        "streams": len(streams), "segments": segments, "segment_bytes": segment_bytes,
+                        "one_off_segments": one_offs},
             **snapshot,
             "cache": self.reader.source.stats(), "storage_degraded": self.reader.source.degraded,
             "read_ahead": self.reader.read_ahead(), "clients": clients,

@@ -98,6 +98,7 @@ class Stream:
         self.idle_since: float | None = time.monotonic()
         self._slots: list[Segment] = []
         self._free: list[Segment] = []
+        self.one_offs = 0  # batches sent in one-off segments because clients held every slot
         self._prefetch = service.config.prefetch_batches
         self._thread = threading.Thread(target=self._produce, name=f"omnifeed-stream-{dp_rank}", daemon=True)
         self._thread.start()
@@ -153,6 +154,7 @@ class Stream:
             segment = Segment(len(self._slots), 0, self._slots[-1].size if self._slots else 0)
             self._slots.append(segment)
             return segment
+        self.one_offs += 1
         return Segment(-1, 0, self._slots[-1].size)  # clients hold every slot: a one-off
 
     def _publish(self, taken: Any, before: dict[str, Any], after: dict[str, Any], segment: Segment) -> None:

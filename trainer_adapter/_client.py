@@ -22,6 +22,7 @@ import socket
 import time
 import uuid
 import weakref
+from collections import deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,9 @@ class FeedClient:
         self._unacked: dict[str, Any] | None = None  # start of a yielded batch the service may not have audited
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._pending_fds: list[int] = []
-        self._released: list[tuple[str, int]] = []  # (service instance, batch number) of batches the trainer dropped
+        # (service instance, batch number) of batches the trainer dropped: one deque for the client's life, since
+        # finalizers registered long ago append to it (a swapped-in new container would lose them)
+        self._released: deque[tuple[str, int]] = deque()
         self._service = ""  # batch numbers belong to one service process: a release must not reach another
         self._token = uuid.uuid4().hex  # this client, across its reconnections
         self._decode = tensor_decoder(self._base)
@@ -181,8 +184,11 @@ class FeedClient:
         body, self._pending_fds = receive_frame(sock, MAX_REPLY_BYTES, accept_fds=True)
         try:
             message = decode(body, self._decode)
-            if self._bases and message["op"] == "batch":  # the batch's memory goes back when it is dropped
-                weakref.finalize(self._bases[-1], self._released.append, (self._service, int(message["seq"])))
+            if message["op"] == "batch":  # the batch's memory goes back when it is dropped
+                if self._bases:
+                    weakref.finalize(self._bases[-1], self._released.append, (self._service, int(message["seq"])))
+                else:  # no tensor views it (a batch of meta fields only): nothing to wait for
+                    self._released.append((self._service, int(message["seq"])))
         finally:
             for fd in self._pending_fds:  # sent but not referred to: nothing to map
                 os.close(fd)
@@ -216,8 +222,12 @@ class FeedClient:
         return mapped
 
     def _drain_released(self) -> list[int]:
-        released, self._released = self._released, []
-        return [seq for service, seq in released if service == self._service]
+        released = []
+        while self._released:
+            service, seq = self._released.popleft()
+            if service == self._service:
+                released.append(seq)
+        return released
 
     # -- connection ------------------------------------------------------------------------
     def _connected(self, deadline: float) -> socket.socket:

@@ -175,3 +175,14 @@ def test_batches_held_across_a_resize_and_a_close_are_never_overwritten(index_di
             for name, value in copy.items():
                 assert torch.equal(batch["image"][name], value), name
         assert all(b["__key__"] for b in more)
+
+
+def test_a_plain_training_loop_gives_every_batch_back_and_reuses_its_segments(index_dir: Path, tmp_path: Path) -> None:
+    config = service_config(index_dir, tmp_path / "audit.jsonl")
+    with FeedService(config) as service, FeedClient(config.socket) as client:
+        for _ in range(2):
+            for batch in client:  # the previous batch is still bound while the next is asked for
+                assert batch["__key__"]
+        snapshot = service.metrics()["service"]
+    assert snapshot["one_off_segments"] == 0  # every batch went back: slots were reused, none had to be added
+    assert snapshot["segments"] <= config.prefetch_batches + 4
