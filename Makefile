@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_cache_policy.py
 	$(PY) benchmarks/bench_cache.py
 	$(PY) benchmarks/bench_dataloader.py
+	$(PY) benchmarks/bench_handoff.py
 
 clean:
 	rm -rf $(VENV) demo-output benchmarks/_work
