@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_cache.py
 	$(PY) benchmarks/bench_dataloader.py
 	$(PY) benchmarks/bench_handoff.py
+	$(PY) benchmarks/bench_resize.py
 
 clean:
 	rm -rf $(VENV) demo-output benchmarks/_work
