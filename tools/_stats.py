@@ -278,15 +278,28 @@ def _limit(iv: _Interval) -> str:
 
     backed_up = {name: m for name, m in modalities.items()
                  if queued(m) >= QUEUE_BACKED_UP and (_num(m, "buffer_samples") or 0.0) < queued(m)}
-    if backed_up:
-        name = max(backed_up, key=lambda n: backlog_s(backed_up[n]))
-        m = backed_up[name]
-        ready = _num(m, "buffer_samples")
-        buffer = "buffer empty" if not ready else f"buffer {ready:.0f}"
-        also = "; storage degraded too" if degraded else ""
-        return f"{name} decode (queue {queued(m):.0f}, {buffer}, p50 {_ms(_num(m, 'decode_latency_s', 'p50'))}){also}"
     starved = sorted(name for name, m in modalities.items() if _num(m, "buffer_samples") == 0)
     reads = iv.delta("cache", "remote", "reads")
+    _, storage_latency = _storage_latency(remote)
+
+    def decode_p50(name: str) -> float:
+        return _num(modalities[name], "decode_latency_s", "p50") or 0.0
+
+    # A starved modality whose reads are fast next to its decoding is decode-bound too: its workers are all
+    # busy (local files are read inside the decode task, so nothing shows as queued).
+    busy = {name: modalities[name] for name in starved
+            if reads and not degraded and decode_p50(name) > (storage_latency or 0.0)}
+    candidates = {**busy, **backed_up}
+    if candidates:  # the one with the most decoding pending: (queued + the one in hand) × its decode time
+        name = max(candidates, key=lambda n: (queued(candidates[n]) + 1) * max(decode_p50(n), 1e-6))
+        m = candidates[name]
+        if name in backed_up:
+            ready = _num(m, "buffer_samples")
+            buffer = "buffer empty" if not ready else f"buffer {ready:.0f}"
+            also = "; storage degraded too" if degraded else ""
+            return f"{name} decode (queue {queued(m):.0f}, {buffer}, p50 {_ms(decode_p50(name))}){also}"
+        return (f"{name} decode (buffer empty, queue {queued(m):.0f}, p50 {_ms(decode_p50(name))} against "
+                f"storage {_ms(storage_latency or 0.0)}: give {name} more workers or processes)")
     if degraded or (starved and reads):
         key, latency = _storage_latency(remote)
         detail = [f"remote {key} {_ms(latency)}"]

@@ -156,3 +156,26 @@ def test_sigterm_stops_the_service_cleanly_and_a_crashed_ones_socket_is_reaped(i
     assert not socket_path.exists()
     with pytest.raises(OSError):
         request_metrics(str(socket_path), timeout=2)
+
+
+def test_prometheus_and_omnifeed_stats_show_the_running_service(index_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from omnifeed.tools._cli import main
+
+    config = ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+                           socket=str(short_socket_dir() / "feed.sock"), metrics_port=0)
+    with FeedService(config) as service, FeedClient(service.address, rank=0, world_size=1) as client:
+        for _ in range(3):
+            client.next_batch()
+        assert service.metrics_port
+        page = urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics", timeout=30).read().decode()
+        samples = {s.name: s for family in text_string_to_metric_families(page) for s in family.samples}
+        assert samples["omnifeed_samples_total"].value >= 12
+        assert samples["omnifeed_service_clients"].value == 1
+        assert samples["omnifeed_client_batches_total"].value == 3
+        assert main(["stats", "--address", service.address, "--once"]) == 0
+    table = capsys.readouterr().out
+    assert "image" in table and "limiting" in table.lower() or "bottleneck" in table.lower() or "wait" in table.lower()

@@ -57,9 +57,18 @@ def test_storage_limited_names_the_remote_latency_and_degraded_flag() -> None:
 
 
 def test_idle_workers_with_origin_reads_are_storage_limited_even_when_not_degraded() -> None:
-    before = snapshot(10, waited=2.0, samples=400, image={"buffer_samples": 0, "queued": 1}, remote_reads=100)
-    after = snapshot(20, waited=7.0, samples=500, image={"buffer_samples": 0, "queued": 1}, remote_reads=200)
-    assert "limiting: storage (remote p95 10 ms" in limiting(after, before)
+    before = snapshot(10, waited=2.0, samples=400, image={"buffer_samples": 0, "queued": 1}, remote_reads=100,
+                      remote_p95=0.08)
+    after = snapshot(20, waited=7.0, samples=500, image={"buffer_samples": 0, "queued": 1}, remote_reads=200,
+                     remote_p95=0.08)  # reads (80 ms) slower than decoding (30 ms): the decoders wait for storage
+    assert "limiting: storage (remote p95 80 ms" in limiting(after, before)
+
+
+def test_a_starved_modality_that_decodes_slower_than_it_reads_is_decode_limited() -> None:
+    before = snapshot(10, waited=2.0, samples=400, image={"buffer_samples": 0, "queued": 0}, remote_reads=100)
+    after = snapshot(20, waited=7.0, samples=500, image={"buffer_samples": 0, "queued": 0}, remote_reads=200)
+    # local files: read inside the decode task, so nothing queues; 30 ms decoding against 10 ms reads
+    assert "limiting: image decode (buffer empty, queue 0, p50 30 ms against storage 10 ms" in limiting(after, before)
 
 
 def test_clients_that_do_not_wait_make_the_trainer_the_bottleneck() -> None:
