@@ -109,7 +109,7 @@ class NvmeTier:
     def _open(self) -> None:
         self._pid = os.getpid()
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)  # cached samples are the user's data
             self._env = self._environment()
             self._data = self._env.open_db(b"data")
             self._queue = self._env.open_db(b"queue")
@@ -132,7 +132,7 @@ class NvmeTier:
             if env is None:
                 initial = min(self.max_map, max(2 * self.capacity, 64 * 2**20))
                 env = lmdb.open(str(self.path), map_size=initial, max_dbs=4, max_readers=1024, readahead=False,
-                                meminit=False, sync=False, metasync=False)
+                                meminit=False, sync=False, metasync=False, mode=0o600)
             _ENVIRONMENTS[key] = (env, users + 1)
             return env
 

@@ -73,9 +73,9 @@ def _attach(path: Path, size: int) -> tuple[mmap.mmap, bool]:
     latter's resource tracker fights (before Python 3.13 it unlinks segments at exit).
     """
     try:
-        fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+        fd, created = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), True
     except FileExistsError:
-        fd, created = os.open(path, os.O_RDWR), False
+        fd, created = _open_private(path, os.O_RDWR), False
     if created:
         # Reserve every page now: a write into a mapped tmpfs page that cannot be allocated
         # kills the process with SIGBUS, so a segment too big for /dev/shm must fail here.
@@ -92,6 +92,20 @@ def _attach(path: Path, size: int) -> tuple[mmap.mmap, bool]:
         return mmap.mmap(fd, os.fstat(fd).st_size), created
     finally:
         os.close(fd)
+
+
+def _open_private(path: Path, flags: int, mode: int = 0o600) -> int:
+    """Open ``path`` (never through a symlink), refusing a file another user owns or could open."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as exc:
+        raise CacheError(f"cannot open {path} ({exc.strerror}); if it is a link, remove it") from exc
+    info = os.fstat(fd)
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        os.close(fd)
+        raise CacheError(f"{path} belongs to uid {info.st_uid} with mode {info.st_mode & 0o777:o}: another user could "
+                         "read or write this cache; remove it, or name the RAM tier differently (cache.ram.name)")
+    return fd
 
 
 class RamTier:
@@ -132,7 +146,7 @@ class RamTier:
     # -- lifecycle ---------------------------------------------------------------------------
 
     def _open_lock(self) -> None:
-        self._lock_fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._lock_fd = _open_private(self._lock_path, os.O_RDWR | os.O_CREAT)
         self._pid = os.getpid()
 
     def _initialise(self, arena: int, slots: int, width: int) -> None:

@@ -103,32 +103,29 @@ def _delivery(record: dict[str, Any]) -> tuple[Any, ...]:
 def verify_coverage(index: SampleIndex, epoch: int, records: Iterable[dict[str, Any]]) -> CoverageReport:
     """Check that the records deliver every sample of ``epoch`` exactly once.
 
-    A record marked ``"reack": true`` is one a client re-sent after its service restarted,
-    not knowing whether the old service had logged it: it counts only if no record of the
-    same delivery (step, rank, accumulation micro-step, micro-batch, topology) exists.
+    The same delivery logged twice by the service (records with ``"since"``; step, rank,
+    accumulation micro-step, micro-batch, topology and attempt all equal) counts once: a
+    restarted service re-sends the batch a client had not received yet, and logs it again.
 
-    A **resume marker** (``{"resume": ID, "step": S, "accum_done": A, ...}``, written by the
-    service when a trainer loads a checkpoint) rolls back what was delivered after that
-    checkpoint and never committed: the records before it, from steps at or after ``S``, that
-    were not themselves delivered since resuming from ``ID`` (their ``"since"``). So a run that
-    crashed and resumed from its last checkpoint verifies per committed step.
+    A **resume marker** (``{"resume": ATTEMPT, "step": S, "accum_done": A, ...}``, written by the
+    service when a job that loaded a checkpoint starts a new attempt) rolls back what was
+    delivered after that checkpoint and never committed: the records before it, from steps at or
+    after ``S``, of other attempts (their ``"since"``). So a run that crashed and resumed from its
+    last checkpoint verifies per committed step.
     """
     keys: list[str] = []
     segments: dict[str, list[tuple[int, int]]] = {}
-    kept: list[dict[str, Any]] = []
-    for record in records:
+    kept: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for line, record in enumerate(records):
         if "resume" in record:
             at = (int(record["step"]), int(record.get("accum_done", 0)))
-            kept = [r for r in kept if r.get("since") == record["resume"] or (r["step"], r["accum"]) < at]
-        else:
-            kept.append(record)
-    chosen = [r for r in kept if int(r["epoch"]) == epoch]
-    logged = {_delivery(r) for r in chosen if not r.get("reack")}
+            kept = {k: r for k, r in kept.items() if r.get("since") == record["resume"] or (r["step"], r["accum"]) < at}
+        elif "since" in record:
+            kept.setdefault((*_delivery(record), record["since"]), record)
+        else:  # a log of the in-process feed or of `omnifeed plan`: every line is a delivery
+            kept[(line, "line")] = record
+    chosen = [r for r in kept.values() if int(r["epoch"]) == epoch]
     for record in chosen:
-        if record.get("reack"):
-            if _delivery(record) in logged:
-                continue
-            logged.add(_delivery(record))
         if "segments" not in record:
             keys.extend(record["keys"])
             continue

@@ -13,8 +13,9 @@
    frame is out. Each chosen frame is resized and converted to RGB in libswscale.
 
 Errors: 'empty'; 'unsupported' (streams, but no video stream; none at all is 'corrupt');
-'bomb' (declared frame size over ``max_pixels``, or packets adding up to more bytes than the
-file could hold); 'too_long' (more than ``max_decoded_frames`` decoded); 'truncated' (the
+'bomb' (frame size over ``max_pixels``: the header's, or a size that grows mid-stream, which
+FFmpeg, told the guard, refuses before allocating the frame; or packets adding up to more bytes
+than the file could hold); 'too_long' (more than ``max_decoded_frames`` decoded); 'truncated' (the
 container ends early, or the last packet fails to decode); 'corrupt' (other container or
 decoder errors, or no frame out).
 Damage the decoder conceals (H.264 error concealment) comes out as damaged frames; damage it
@@ -81,8 +82,9 @@ class _Decoder:
     """Feeds packets to the codec, counts frames out, keeps the wanted ones converted."""
 
     def __init__(self, codec: Any, wanted: set[int] | None, limit: int, convert: Callable[[Any], np.ndarray],
-                 key: str) -> None:
+                 key: str, max_pixels: int) -> None:
         self.codec, self.wanted, self.limit, self.convert, self.key = codec, wanted, limit, convert, key
+        self.max_pixels = max_pixels
         self.decoded, self.drained = 0, False
         self.frames: dict[int, np.ndarray] = {}
 
@@ -95,6 +97,10 @@ class _Decoder:
         except Exception as exc:
             if out_of_memory(exc):
                 raise
+            width, height = int(self.codec.width), int(self.codec.height)
+            if width * height > self.max_pixels:  # FFmpeg refused a frame size that changed mid-stream
+                raise DecodeError(f"frames of {width}x{height} in the stream, over max_pixels = {self.max_pixels}",
+                                  self.key, "video", "bomb") from exc
             raise av_error(exc, self.key, "video", last_packet=last) from exc
         self._take(frames)
 
@@ -149,6 +155,8 @@ def _decode_clip(container: Any, size: int, config: VideoDecodeConfig, key: str)
     if width * height > config.max_pixels:
         raise DecodeError(f"stream declares {width}x{height} frames, over max_pixels = {config.max_pixels}", key,
                           "video", "bomb")
+    # FFmpeg allocates no frame over the guard either: the size can change mid-stream (a new SPS)
+    codec.options = {**codec.options, "max_pixels": str(config.max_pixels)}
     codec.thread_count = config.threads
     if config.threads != 1:
         codec.thread_type = "AUTO"
@@ -172,11 +180,11 @@ def _decode_clip(container: Any, size: int, config: VideoDecodeConfig, key: str)
         last = max(timed, key=lambda p: p.pts)
         end = pts[-1] + (last.duration or (pts[-1] - pts[0]) // max(len(pts) - 1, 1))
         chosen = [pts[j] for j in choose_frames(pts, end, Fraction(stream.time_base), config)]
-        decoder = _Decoder(codec, set(chosen), config.max_decoded_frames, convert, key)
+        decoder = _Decoder(codec, set(chosen), config.max_decoded_frames, convert, key, config.max_pixels)
         _decode_chosen(packets, chosen, decoder)
     else:  # no timestamps: the first frames in output order
         limit = min(config.num_frames or config.max_frames, config.max_frames)
-        decoder = _Decoder(codec, None, config.max_decoded_frames, convert, key)
+        decoder = _Decoder(codec, None, config.max_decoded_frames, convert, key, config.max_pixels)
         for i, packet in enumerate(packets):
             decoder.feed(packet, i == len(packets) - 1)
             if len(decoder.frames) >= limit:

@@ -21,7 +21,7 @@ from ._config import IndexConfig
 from ._errors import SourceError
 from ._probe import probe_lengths
 from ._records import FieldLocation, ScannedSample, ShardScan, ShardSpec
-from ._sources import RECREATE_SHARD, as_source_error, cell_bytes, escapes_root
+from ._sources import RECREATE_SHARD, as_source_error, cell_bytes, escapes_root, link_outside
 from ._text import make_token_counter
 
 logger = logging.getLogger(__name__)
@@ -63,6 +63,12 @@ def _split_name(url: str, name: str) -> tuple[str, str] | None:
     """(key, field) of a member or file path by the WebDataset convention; None to skip it."""
     if escapes_root(name):
         raise SourceError(f"{url}: member {name!r} escapes its root (absolute or '..'); {RECREATE_SHARD}", url=url)
+    if not name.isascii():
+        try:
+            name.encode("utf-8")  # tarfile and os decode undecodable bytes to lone surrogates
+        except UnicodeEncodeError:
+            raise SourceError(f"{url}: member {name!r} is not valid UTF-8 (keys and field names must be); "
+                              f"rename it, or {RECREATE_SHARD}", url=url) from None
     if name.rsplit("/", 1)[-1].startswith(".") or _WDS_META.match(name):
         return None
     match = _BASE_PLUS_EXT.match(name)
@@ -129,8 +135,18 @@ def _scan_parquet(shard: ShardSpec, config: IndexConfig, count: _Counter) -> Sha
         seen: set[str] = set()
         for rg in range(table_file.num_row_groups):
             table = table_file.read_row_group(rg)
-            keys = table.column(key_column).to_pylist()
-            cells = {column: cell_bytes(table.column(column)) for column, _ in columns}
+            try:
+                keys = table.column(key_column).to_pylist()
+            except (ValueError, OverflowError) as exc:  # invalid UTF-8, a date out of Python's range
+                raise SourceError(f"{url}: row group {rg}: column {key_column!r} holds a key that cannot be converted "
+                                  f"({type(exc).__name__}: {exc}); fix column {key_column!r}", url=url) from None
+            cells = {}
+            for column, _ in columns:
+                try:
+                    cells[column] = cell_bytes(table.column(column))
+                except SourceError as exc:
+                    raise SourceError(f"{url}: row group {rg}: column {column!r}: {exc}; fix or drop the column",
+                                      url=url) from None
             for row, raw_key in enumerate(keys):
                 key = str(raw_key)
                 if raw_key is None or key in seen:
@@ -161,6 +177,10 @@ def _scan_folder(shard: ShardSpec, config: IndexConfig, count: _Counter) -> Shar
             continue
         split = _split_name(url, relative)
         if split is not None:
+            target = link_outside(fs, root, relative)
+            if target is not None:
+                raise SourceError(f"{url}: {relative!r} is a symbolic link to {target}, outside the folder; copy the "
+                                  "file into the folder or remove the link", url=url)
             groups.setdefault(split[0], []).append((split[1], relative))
     if not groups:
         raise SourceError(f"{url}: no samples (an empty folder, or only hidden files)", url=url)

@@ -15,8 +15,8 @@ the same batch, read and decoded once.
 
 Each client holds its own cursor (the feed state after the last batch it yielded): a stream
 serves a client the batch that starts where the client is, so a restarted service, or a
-restarted stream, continues every client exactly where it was. A batch is audited when the
-client moves past it (its next request or its goodbye), once per data-parallel rank.
+restarted stream, continues every client exactly where it was. A batch is audited when it is
+handed to a client, before it is sent, once per data-parallel rank.
 
 Faults: a malformed, oversized or unknown message gets an error reply and that connection
 closes; the service and other clients go on. A client that dies releases its batches (its
@@ -69,6 +69,7 @@ class _Connection:
     stream: Stream | None = None
     known: set[tuple[int, int]] = field(default_factory=set)
     token: str = ""  # the client's own id, the same across its reconnections
+    attempt: str | None = None  # the attempt its deliveries belong to (see FeedService._attempt_of)
     said_bye: bool = False
 
 
@@ -91,7 +92,7 @@ class FeedService:
         self._seqs = itertools.count()
         self.instance = uuid.uuid4().hex  # clients tell services apart by it (batch numbers are per instance)
         self._audit_lock = threading.Lock()
-        self._resumes: set[str] = set()
+        self._attempts: dict[str, int] = {}  # attempt -> clients connected with it (insertion order: newest last)
         self._audit: IO[str] | None = open(config.audit_log, "a", encoding="utf-8") if config.audit_log else None  # noqa: SIM115
         self._stopping = threading.Event()
         self._started = time.monotonic()
@@ -151,6 +152,10 @@ class FeedService:
             return
         self._stopping.set()
         if self._listener is not None:
+            try:  # close() alone does not wake the thread blocked in accept()
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
         with self._lock:
             connections = list(self._connections.values())
@@ -306,25 +311,19 @@ class FeedService:
         if not isinstance(token, str) or not 0 < len(token) <= 64:
             raise RequestError("protocol", "hello field 'token' must be a string of 1 to 64 characters")
         connection.token = token
-        since = message.get("resume")
-        if since is not None and (not isinstance(since, str) or len(since) > 64):
-            raise RequestError("protocol", "hello field 'resume' must be a string of at most 64 characters")
-        if since is not None:
-            self._mark_resume(since, state)
+        for name in ("resume", "attempt"):
+            value = message.get(name)
+            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 64):
+                raise RequestError("protocol", f"hello field {name!r} must be a string of 1 to 64 characters")
+        since = self._attempt_of(connection, message.get("attempt"), message.get("resume"), state)
         with stream.cond:
             stream.group = max(stream.group, world // dp_world)
             stream.attach(connection.id, token, rank, state, since)
         connection.stream = stream
-        reack = message.get("reack")
-        if reack is not None:
-            try:
-                stream.reack(feed_state(self.plan, reack, world_size=dp_world, grad_accum=accum), since)
-            except (ValueError, TypeError, KeyError, IndexError, FeedError, StateMismatchError) as exc:
-                log.warning("client %d re-sent an unusable delivery (%s); not audited", connection.id, exc)
         return {"op": "welcome", "protocol": PROTOCOL, "client": connection.id, "service": self.instance, "state": state,
                 "index_fingerprint": self.plan.index_fingerprint, "config_fingerprint": self.plan.config_fingerprint,
                 "num_samples": self.index.num_samples, "batch_size": self.plan.config.batch_size,
-                "budget": self.plan.budget}
+                "budget": self.plan.budget, "attempt": since}
 
     def _next(self, connection: _Connection, message: dict[str, Any]) -> None:
         stream = connection.stream
@@ -350,7 +349,7 @@ class FeedService:
         stream, connection.stream = connection.stream, None
         if stream is None:
             return
-        stream.detach(connection.id, connection.said_bye)
+        stream.detach(connection.id)
         with self._changing:
             with self._lock:
                 retiring = self._stale_streams()
@@ -376,6 +375,9 @@ class FeedService:
     def _disconnect(self, connection: _Connection) -> None:
         with self._lock:
             self._connections.pop(connection.id, None)
+        if connection.attempt is not None:
+            with self._audit_lock:
+                self._attempts[connection.attempt] -= 1
         self._leave_stream(connection)
         self._release_lent(connection.token, None)
         try:
@@ -448,22 +450,42 @@ class FeedService:
                 self._lent = [(r, s) for r, s in self._lent if r not in done]
 
     # -- audit and metrics -----------------------------------------------------------------
-    def _mark_resume(self, since: str, state: dict[str, Any]) -> None:
-        """Log that trainers resumed from checkpoint ``since``: later deliveries from before it are rolled back."""
-        with self._audit_lock:
-            if since in self._resumes:
-                return
-            self._resumes.add(since)
-        self.write_audit({"resume": since, "epoch": state["plan"]["epoch"], "step": state["plan"]["step"],
-                          "accum_done": state["accum_done"], "topology_version": state["plan"]["topology_version"],
-                          "keys": []})
+    def _attempt_of(self, connection: _Connection, attempt: str | None, resume: str | None,
+                    state: dict[str, Any]) -> str | None:
+        """The attempt (a run of the job since it last loaded a checkpoint) whose deliveries this client's are.
 
-    def write_audit(self, record: dict[str, Any]) -> None:
-        """Append one delivery record to the audit log (if configured)."""
+        A client that knows its attempt (it reconnects) keeps it. A client that just loaded a
+        checkpoint (``resume``: a fresh token per load) joins the attempt open on this service —
+        one with a client still connected: its peers loaded the same checkpoint moments ago, or
+        are running and a new rank joins them — or, when none is open (the job's previous
+        processes are gone: a restart), opens one, and a resume marker is logged: deliveries of
+        earlier attempts from the checkpoint's step on were never committed (`verify_coverage`).
+        """
         with self._audit_lock:
-            if self._audit is not None:
-                self._audit.write(json.dumps(record) + "\n")
-                self._audit.flush()
+            if attempt is None and resume is not None:
+                open_now = [a for a, n in self._attempts.items() if n > 0]
+                if open_now:
+                    attempt = open_now[-1]
+                else:
+                    attempt = resume
+                    self.write_audit({"resume": attempt, "epoch": state["plan"]["epoch"],
+                                      "step": state["plan"]["step"], "accum_done": state["accum_done"],
+                                      "topology_version": state["plan"]["topology_version"], "keys": []},
+                                     locked=True)
+            if attempt is not None:
+                self._attempts[attempt] = self._attempts.pop(attempt, 0) + 1
+            connection.attempt = attempt
+        return attempt
+
+    def write_audit(self, record: dict[str, Any], locked: bool = False) -> None:
+        """Append one delivery record to the audit log (if configured); ``locked``: the caller holds its lock."""
+        if not locked:
+            with self._audit_lock:
+                self.write_audit(record, locked=True)
+            return
+        if self._audit is not None:
+            self._audit.write(json.dumps(record) + "\n")
+            self._audit.flush()
 
     def metrics(self) -> dict[str, Any]:
         """The metrics snapshot (docs/service.md): engine, caches, storage, clients, streams, segments."""

@@ -70,8 +70,7 @@ class _Attached:
     token: str
     rank: int
     position: dict[str, Any]
-    since: str | None = None  # the checkpoint the client resumed from (its deliveries are tagged with it)
-    last: Ready | None = None
+    since: str | None = None  # the attempt its deliveries belong to (they are tagged with it)
     batches: int = 0
     waited_s: float = 0.0
     last_wait_s: float = 0.0
@@ -204,8 +203,8 @@ class Stream:
         self.idle_since = None
         self.cond.notify_all()
 
-    def detach(self, client: int, moved_past: bool) -> None:
-        """The client left (``moved_past``: it said goodbye, so its batch in hand is delivered).
+    def detach(self, client: int) -> None:
+        """The client left.
 
         Segments of batches it still held are never reused: the service closes its side and
         the pages go when the client's last tensor of them does (or with the client, if it died).
@@ -214,8 +213,6 @@ class Stream:
             attached = self.clients.pop(client, None)
             if attached is None:
                 return
-            if moved_past and attached.last is not None:
-                self._audit(attached.last, attached.since)
             for ready in self.ready:
                 if attached.token in ready.holders:
                     ready.holders.discard(attached.token)
@@ -238,8 +235,6 @@ class Stream:
         """The batch that starts at the client's cursor (blocks until produced)."""
         with self.cond:
             attached = self.clients[client]
-            if attached.last is not None:  # asking for the next batch: it moved past the last one
-                self._audit(attached.last, attached.since)
             self._collect()
             started = time.perf_counter()
             while True:
@@ -260,20 +255,11 @@ class Stream:
             attached.batches += 1
             found.takers.add(client)
             found.holders.add(attached.token)
-            attached.position, attached.last = found.after, found
+            attached.position = found.after
+            self._audit(found, attached.since)  # logged before it is sent: a batch a trainer holds is always logged
             self._collect()
             self.cond.notify_all()
             return found
-
-    def reack(self, state: dict[str, Any], since: str | None) -> None:
-        """Audit the batch a client yielded before the service restarted (from where it started)."""
-        cursor = PlanCursor(self.feed.plan, world_size=self.key[0], grad_accum=self.key[2])
-        cursor.load_state_dict(state["plan"])
-        step = cursor.next_step()
-        accum = int(state["accum_done"])
-        micro_batch = step.for_rank(self.key[1])[accum]
-        record = delivery_record(step, self.key[1], accum, micro_batch, self.service.index.keys(micro_batch.positions))
-        self.service.write_audit({**record, "replaced": [], "reack": True, "since": since})
 
     def _audit(self, ready: Ready, since: str | None) -> None:
         if not ready.audited:

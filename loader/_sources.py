@@ -8,7 +8,8 @@ Three kinds of shard, all named by fsspec URL (or local path) (scanned by ``_sca
 - ``parquet``: one row per sample, keyed by ``IndexConfig.key_column``; every other
   column is a field named by its lower-cased column name; null cells are absent fields.
 - ``folder``: files grouped by key as in a tar, relative path up to the first dot of the
-  basename; hidden files and folders (name starting with '.') are skipped.
+  basename; hidden files and folders (name starting with '.') are skipped; a file whose real
+  path leaves the folder (a symbolic link to outside it) is refused (docs/security.md §4).
 
 A Parquet cell's field bytes are the value itself for binary columns, UTF-8 for string
 columns and JSON text for any other type (numbers, lists, structs). Errors that mean the
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import posixpath
 import re
 import tarfile
@@ -41,7 +43,7 @@ logger = logging.getLogger(__name__)
 _COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 RECREATE_SHARD = "re-create the shard"
 _BINARY_TYPES = ("binary", "large_binary", "fixed_size_binary", "binary_view")  # pyarrow.types.is_*
-_STRING_TYPES = ("string", "large_string", "string_view")
+_STRING_TYPES = {"string": "binary", "large_string": "large_binary", "string_view": "binary_view"}  # its binary twin
 
 
 def _kind_by_name(path: str, spec: str) -> SourceKind | None:
@@ -143,13 +145,28 @@ def escapes_root(name: str) -> bool:
     return not name or name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/")
 
 
+def link_outside(fs: Any, root: str, relative: str) -> str | None:
+    """Where a folder's file really is, when a symbolic link takes it outside ``root`` (local files); else None."""
+    if not isinstance(fs, LocalFileSystem):
+        return None  # object stores and HTTP have no links
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(root, relative))
+    return None if real == real_root or real.startswith(real_root.rstrip(os.sep) + os.sep) else real
+
+
 def cell_bytes(column: pa.ChunkedArray) -> list[bytes | None]:
-    """A Parquet column's cells as field bytes: binary as is, strings UTF-8, anything else as JSON."""
+    """A Parquet column's cells as field bytes: binary as is, strings as stored (UTF-8, unchecked here: the
+    text probe and decoder judge it), anything else as JSON; SourceError for a value Python cannot hold."""
     if any(getattr(pa.types, f"is_{name}", lambda _: False)(column.type) for name in _BINARY_TYPES):
         return column.to_pylist()
-    if any(getattr(pa.types, f"is_{name}", lambda _: False)(column.type) for name in _STRING_TYPES):
-        return [None if v is None else v.encode("utf-8") for v in column.to_pylist()]
-    return [None if v is None else json.dumps(v, default=str).encode("utf-8") for v in column.to_pylist()]
+    for name, twin in _STRING_TYPES.items():
+        if getattr(pa.types, f"is_{name}", lambda _: False)(column.type):
+            return column.cast(getattr(pa, twin)()).to_pylist()  # the stored bytes, even where they are not valid UTF-8
+    try:
+        values = column.to_pylist()
+    except (ValueError, OverflowError) as exc:  # dates out of Python's range, invalid UTF-8 inside nested values
+        raise SourceError(f"a {column.type} value cannot be converted ({type(exc).__name__}: {exc})") from None
+    return [None if v is None else json.dumps(v, default=str).encode("utf-8") for v in values]
 
 
 _TRANSIENT = (ConnectionError, TimeoutError)
@@ -178,7 +195,10 @@ def _read_parquet_cell(url: str, field: FieldLocation, row_group: int, row: int)
         table = pq.ParquetFile(f).read_row_group(row_group, columns=[field.member])
     if table.num_columns != 1 or row >= table.num_rows:
         return None
-    return cell_bytes(table.column(0).slice(row, 1))[0]
+    try:
+        return cell_bytes(table.column(0).slice(row, 1))[0]
+    except SourceError as exc:
+        raise SourceError(f"{url}: column {field.member!r} row group {row_group} row {row}: {exc}", url=url) from None
 
 
 def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, row: int = -1) -> bytes:
@@ -201,6 +221,10 @@ def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, r
             if escapes_root(member):
                 raise SourceError(f"{where}: the member path escapes the folder; re-run `omnifeed index`", url=url)
             fs, root = url_to_fs(url)
+            target = link_outside(fs, root, member)
+            if target is not None:
+                raise SourceError(f"{where}: a symbolic link to {target}, outside the folder; copy the file into the "
+                                  "folder or remove the link, then re-run `omnifeed index`", url=url)
             data = fs.cat_file(f"{root.rstrip('/')}/{member}")
         elif shard.kind == "parquet":
             cell = _read_parquet_cell(url, field, row_group, row)

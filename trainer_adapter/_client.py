@@ -14,7 +14,6 @@ Tensor-parallel peers map the same pages: an in-place edit of a batch is seen by
 
 from __future__ import annotations
 
-import json
 import logging
 import mmap
 import os
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from omnifeed.loader import Feed, FeedError
 from omnifeed.loader._feed import FEED_STATE_FORMAT
@@ -62,12 +60,12 @@ class FeedClient:
         self.index_fingerprint = index_fingerprint
         self.lr_rule: LrRule = lr_rule
         self._plan_shape: tuple[int, float | None] | None = None  # (batch size, cost budget) from the service
-        self._resumed_from: str | None = None  # digest of the state last loaded (tags this client's deliveries)
+        self._resumed_from: str | None = None  # a fresh token per load_state_dict: "this job resumed from a checkpoint"
+        self._attempt: str | None = None  # the service's name for the run since then (kept across reconnections)
         self.reconnect_timeout_s, self.request_timeout_s = reconnect_timeout_s, request_timeout_s
         self._feed: Feed | None = None
         self._sock: socket.socket | None = None
         self._state: dict[str, Any] | None = None
-        self._unacked: dict[str, Any] | None = None  # start of a yielded batch the service may not have audited
         self._maps: dict[tuple[int, int], mmap.mmap] = {}
         self._pending_fds: list[int] = []
         # (service instance, batch number) of batches the trainer dropped: one deque for the client's life, since
@@ -168,14 +166,12 @@ class FeedClient:
             try:
                 sock = self._connected(deadline)
                 started = time.perf_counter()
-                before = self._state
                 send(sock, {"op": "next", "release": self._drain_released()})
                 message = check_reply(self._receive_batch(sock), "batch")
                 self.waited_s += time.perf_counter() - started
             except (OSError, EOFError, ServiceError) as exc:
                 self._lost(exc, deadline)
                 continue
-            self._unacked = before  # the service audits it when this client asks for the next one
             self._state = message["state"]
             batch: dict[str, Any] = message["batch"]
             return batch
@@ -243,8 +239,8 @@ class FeedClient:
         try:
             hello = {"op": "hello", "protocol": PROTOCOL, "pid": os.getpid(), "rank": self.rank,
                      "world_size": self.world_size, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
-                     "grad_accum": self.grad_accum, "state": self._state, "reack": self._unacked,
-                     "resume": self._resumed_from, "token": self._token,
+                     "grad_accum": self.grad_accum, "state": self._state,
+                     "resume": self._resumed_from, "attempt": self._attempt, "token": self._token,
                      "index_fingerprint": self.index_fingerprint}
             send(sock, hello)
             reply, _ = receive(sock, MAX_REPLY_BYTES)
@@ -255,6 +251,7 @@ class FeedClient:
         self._state = welcome["state"]
         self.index_fingerprint = welcome["index_fingerprint"]
         self._plan_shape = (int(welcome["batch_size"]), welcome["budget"])
+        self._attempt = welcome.get("attempt")
         self._maps.clear()  # segment numbers belong to a connection's stream; the service sends each one anew
         self._service = welcome["service"]
         return sock
@@ -306,8 +303,8 @@ class FeedClient:
             self._feed.load_state_dict(state)
         else:
             self._goodbye()
-            self._state, self._unacked = dict(state), None
-            self._resumed_from = xxhash.xxh64_hexdigest(json.dumps(state, sort_keys=True).encode())
+            self._state = dict(state)
+            self._resumed_from, self._attempt = uuid.uuid4().hex, None
             self._connected(time.monotonic() + self.reconnect_timeout_s)
         if saved == (self.dp_world_size, self.grad_accum):
             return None
@@ -363,7 +360,6 @@ class FeedClient:
             try:
                 send(self._sock, {"op": "bye", "release": self._drain_released()})
                 receive(self._sock, MAX_REPLY_BYTES)
-                self._unacked = None
             except (OSError, EOFError, ProtocolError):
                 pass
             self._drop_connection()

@@ -1,0 +1,312 @@
+"""docs/security.md, claim by claim: each test names the claim it enforces (§ numbers of that page)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import re
+import resource
+import socket
+import stat
+import struct
+import tarfile
+import zlib
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from omnifeed.cache import NvmeTierConfig, RamTierConfig
+from omnifeed.loader import IndexConfig, IndexFormatError, SampleIndex, SourceError, build_index
+from omnifeed.loader._config import load_yaml
+from omnifeed.loader._decode import DecodeError, make_decoder
+from omnifeed.loader._decode_config import DecodeConfig
+from omnifeed.loader._records import FieldLocation, ShardSpec
+from omnifeed.loader._scan import scan_shard
+from omnifeed.loader._service_arena import Segment
+from omnifeed.loader._sources import read_field
+from omnifeed.loader._wire import MAX_REPLY_BYTES, MAX_REQUEST_BYTES, ProtocolError, decode, receive
+from omnifeed.tools._demo_data import encode_flac
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("loader", "cache", "bucketing", "trainer_adapter", "tools")
+
+
+# -- §2 nothing received is unpickled or evaluated ----------------------------------------------------
+
+# Calls that would run code or build arbitrary objects from bytes; each place allowed is listed with why.
+DANGEROUS = re.compile(
+    r"pickle\.loads?\(|\bUnpickler\b|\beval\(|\bexec\(|yaml\.(?:load|unsafe_load|full_load)\(|marshal\.loads?\("
+    r"|\bdill\b|\bcloudpickle\b|\bshelve\b|jsonpickle|allow_pickle\s*=\s*True|torch\.load\((?!.*weights_only=True)"
+)
+ALLOWED = {
+    ("loader/_dataloader_handoff.py", "Unpickler"):
+        "the drop-in DataLoader's batches from its own worker processes (as torch's DataLoader does)",
+}
+
+
+def test_no_code_path_unpickles_or_evaluates_anything_except_the_dataloaders_own_workers() -> None:
+    found = set()
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for line in path.read_text(encoding="utf-8").splitlines():
+                code = line.split("#", 1)[0]
+                for match in DANGEROUS.finditer(code):
+                    found.add((str(path.relative_to(ROOT)), match.group(0).rstrip("(")))
+    assert found == set(ALLOWED), "a new unpickle/eval/unsafe load: justify it in docs/security.md and ALLOWED"
+
+
+@pytest.mark.parametrize("body", [
+    pickle.dumps({"op": "hello"}),
+    msgpack.packb({"op": "hello", "x": msgpack.ExtType(1, b"\0" * 16)}),  # a tensor reference, sent to the service
+    msgpack.packb({"op": "hello", "x": msgpack.ExtType(42, b"os.system")}),
+])
+def test_the_control_protocol_accepts_plain_msgpack_only(body: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode(body)
+
+
+def test_config_files_are_read_with_yaml_safe_load(tmp_path: Path) -> None:
+    (tmp_path / "feed.yaml").write_text("plan: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(yaml.constructor.ConstructorError):
+        load_yaml(tmp_path / "feed.yaml")
+
+
+# -- §3 sizes are bounded ------------------------------------------------------------------------------
+
+
+def test_an_oversized_frame_is_refused_from_its_length_before_its_body_is_read() -> None:
+    assert (MAX_REQUEST_BYTES, MAX_REPLY_BYTES) == (1 << 20, 256 << 20)
+    reader, writer = socket.socketpair()
+    with reader, writer:
+        writer.sendall(struct.pack("!I", MAX_REQUEST_BYTES + 1) + b"body bytes")
+        with pytest.raises(ProtocolError, match="over the limit"):
+            receive(reader, MAX_REQUEST_BYTES)
+        assert reader.recv(100) == b"body bytes"  # not read: no buffer of the claimed size was allocated
+
+
+# -- §1 shared memory is private -------------------------------------------------------------------------
+
+
+def test_batch_segments_are_anonymous_memfds_not_inherited_by_child_processes() -> None:
+    shm_before = set(os.listdir("/dev/shm"))
+    segment = Segment(0, 0, 1)
+    try:
+        assert os.readlink(f"/proc/self/fd/{segment.fd}").startswith("/memfd:omnifeed-batch-0")
+        assert not os.get_inheritable(segment.fd)
+        assert set(os.listdir("/dev/shm")) == shm_before  # no name another process could open
+    finally:
+        segment.close()
+
+
+def test_the_nvme_tier_is_private_to_the_user(tmp_path: Path) -> None:
+    from omnifeed.cache._nvme import NvmeTier
+
+    tier = NvmeTier(NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=2**24))
+    try:
+        for path in [tmp_path / "nvme", *(tmp_path / "nvme").iterdir()]:
+            assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
+    finally:
+        tier.close()
+
+
+def test_the_ram_tier_refuses_a_segment_open_to_other_users() -> None:
+    from omnifeed.cache import CacheError
+    from omnifeed.cache._ram import RamTier
+
+    name = f"security-test-{os.getpid()}"
+    path = Path("/dev/shm") / f"omnifeed-ram-{name}"
+    RamTier(RamTierConfig(name=name, capacity_bytes=2**20)).close()
+    try:
+        path.chmod(0o666)  # as another user could have planted it
+        with pytest.raises(CacheError):
+            RamTier(RamTierConfig(name=name, capacity_bytes=2**20)).close()
+    finally:
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".lock").unlink(missing_ok=True)
+
+
+# -- §4 paths stay inside their roots ---------------------------------------------------------------------
+
+
+def _tar(path: Path, members: list[tuple[str, bytes | str]]) -> Path:
+    """Members as given; bytes are a regular file, a str is a symbolic link to it ('hard:' prefix: a hard link)."""
+    with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+        for name, content in members:
+            info = tarfile.TarInfo(name)
+            if isinstance(content, str):
+                info.type = tarfile.LNKTYPE if content.startswith("hard:") else tarfile.SYMTYPE
+                info.linkname = content.removeprefix("hard:")
+                tar.addfile(info)
+            else:
+                info.size = len(content)
+                tar.addfile(info, io.BytesIO(content))
+    return path
+
+
+@pytest.mark.parametrize("member", ["../../etc/passwd.txt", "/etc/passwd.txt", "a/../../b.txt", "..\\..\\c.txt"])
+def test_a_tar_member_escaping_the_shard_is_refused_naming_the_shard_and_member(tmp_path: Path, member: str) -> None:
+    shard = _tar(tmp_path / "evil.tar", [("ok.txt", b"fine"), (member, b"root:x:0:0")])
+    with pytest.raises(SourceError, match=r"evil\.tar: member .* escapes its root") as caught:
+        scan_shard(ShardSpec(str(shard), "tar"), IndexConfig())
+    assert repr(member) in str(caught.value)
+    good = _tar(tmp_path / "good.tar", [("a.txt", b"a")])
+    report = build_index([str(good), str(shard)], tmp_path / "index", IndexConfig(workers=1), progress=False)
+    assert report.num_samples == 1 and repr(member) in report.errors[0]["error"]  # the shard is left out
+
+
+def test_tar_links_are_never_followed(tmp_path: Path) -> None:
+    shard = _tar(tmp_path / "links.tar", [("a.txt", b"mine"), ("a.json", "/etc/passwd"), ("a.cls", "hard:a.txt"),
+                                          ("b.txt", "../../etc/shadow")])
+    scan = scan_shard(ShardSpec(str(shard), "tar"), IndexConfig())
+    assert [(s.key, [f.name for f in s.fields]) for s in scan.samples] == [("a", ["txt"])]
+
+
+def test_a_folder_file_linking_outside_the_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "secret.txt").write_text("secret")
+    folder = tmp_path / "folder"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "a.txt").write_text("mine")
+    (folder / "sub" / "b.txt").symlink_to(folder / "a.txt")  # inside the folder: fine
+    assert len(scan_shard(ShardSpec(str(folder), "folder"), IndexConfig()).samples) == 2
+    (folder / "c.txt").symlink_to(tmp_path / "outside" / "secret.txt")
+    with pytest.raises(SourceError, match=r"folder: 'c\.txt' is a symbolic link to .*secret\.txt, outside the folder"):
+        scan_shard(ShardSpec(str(folder), "folder"), IndexConfig())
+    (folder / "c.txt").unlink()
+    (folder / "d.jpg").symlink_to(tmp_path / "outside")  # a linked folder is no way out either
+    with pytest.raises(SourceError, match="outside the folder"):
+        scan_shard(ShardSpec(str(folder), "folder"), IndexConfig())
+
+
+def test_a_folder_file_replaced_by_an_outside_link_after_indexing_is_not_read(tmp_path: Path) -> None:
+    (tmp_path / "secret.txt").write_text("secret")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text("mine!!")
+    scan = scan_shard(ShardSpec(str(folder), "folder"), IndexConfig())
+    (folder / "a.txt").unlink()
+    (folder / "a.txt").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(SourceError, match="symbolic link to .*outside the folder"):
+        read_field(scan.shard, scan.samples[0].fields[0])
+    with pytest.raises(SourceError, match="escapes the folder"):
+        read_field(scan.shard, FieldLocation("txt", "text", "../secret.txt", 0, 6))
+
+
+@pytest.fixture()
+def index_dir(tmp_path: Path) -> Path:
+    shard = _tar(tmp_path / "s.tar", [(f"k{i}.txt", b"text") for i in range(4)])
+    return build_index([str(shard)], tmp_path / "index", IndexConfig(workers=1, partitions=2), progress=False).path
+
+
+def test_an_index_names_no_file_outside_its_directory(index_dir: Path) -> None:
+    manifest = json.loads((index_dir / "manifest.json").read_text())
+    manifest["partitions"][0]["file"] = "../../elsewhere/part-00000.parquet"
+    (index_dir / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(IndexFormatError, match="'partitions' is not a list of"):
+        SampleIndex(index_dir)
+
+
+def test_an_index_names_its_shards_by_absolute_path_or_url(index_dir: Path) -> None:
+    table = pq.read_table(index_dir / "shards.parquet")
+    assert all(url.startswith("/") for url in table["url"].to_pylist())
+    table = table.set_column(table.schema.get_field_index("url"), "url", pa.array(["../data/s.tar"]))
+    pq.write_table(table, index_dir / "shards.parquet")
+    with pytest.raises(IndexFormatError, match=r"shard path '\.\./data/s\.tar' is relative"):
+        SampleIndex(index_dir)
+
+
+# -- §5 decompression bombs and other guards ------------------------------------------------------------
+
+
+def _png_bomb(side: int) -> bytes:
+    """A real 1-bit ``side × side`` PNG of zeros: tens of KB that would decode to ``side²`` bytes."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    packer = zlib.compressobj(9)
+    row = b"\0" * (1 + (side + 7) // 8)
+    body = b"".join(packer.compress(row) for _ in range(side)) + packer.flush()
+    header = struct.pack(">IIBBBBB", side, side, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+@pytest.mark.parametrize("side", [12_000, 30_000])  # over image.max_pixels; over Pillow's own 2 × MAX_IMAGE_PIXELS
+def test_a_png_bomb_is_refused_naming_the_key_without_allocating_its_pixels(
+    side: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from PIL import ImageFile
+
+    bomb = _png_bomb(side)
+    assert len(bomb) < 128 * 1024
+    loads: list[object] = []
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: loads.append(image))  # where pixels are allocated
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    with pytest.raises(DecodeError, match="sample 'bomb-key'") as caught:
+        make_decoder("image", DecodeConfig())(bomb, "bomb-key")
+    assert caught.value.reason == "bomb" and caught.value.key == "bomb-key"
+    assert loads == []  # refused from the header
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # its pixels: 144 MB or 900 MB
+
+
+@pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")
+def test_a_png_bomb_in_a_shard_is_refused_at_index_time_naming_the_member(tmp_path: Path) -> None:
+    shard = _tar(tmp_path / "bombs.tar", [("big.png", _png_bomb(12_000))])
+    with pytest.raises(SourceError, match=r"bombs\.tar: member 'big\.png' of sample 'big'.*decompression bomb"):
+        scan_shard(ShardSpec(str(shard), "tar"), IndexConfig())
+
+
+def _h264(width: int, height: int, frames: int) -> bytes:
+    """A raw H.264 elementary stream (its own SPS: a stream concatenated after it changes the frame size)."""
+    import av
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="h264") as out:
+        stream = out.add_stream("libx264", rate=10)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.options = {"threads": "1"}
+        for i in range(frames):
+            picture = av.VideoFrame.from_ndarray(np.full((height, width, 3), 40 * i, np.uint8), format="rgb24")
+            out.mux(stream.encode(picture))
+        out.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def test_a_video_whose_frames_grow_past_max_pixels_mid_stream_is_refused() -> None:
+    clip = _h264(64, 48, 2) + _h264(1280, 720, 2)  # the header (first SPS) says 64x48
+    decoder = make_decoder("video", DecodeConfig.model_validate({"video": {"max_pixels": 64 * 48 * 4}}))
+    with pytest.raises(DecodeError, match=r"frames of 1280x720 in the stream, over max_pixels = 12288") as caught:
+        decoder(clip, "k")
+    assert caught.value.reason == "bomb"
+    larger = make_decoder("video", DecodeConfig.model_validate({"video": {"max_pixels": 1280 * 720}}))
+    assert larger(clip, "k").shape[0] == 4
+
+
+def test_every_decoder_has_a_guard_on_by_default() -> None:
+    config = DecodeConfig()
+    assert config.image.max_pixels <= 89_478_485  # Pillow's MAX_IMAGE_PIXELS
+    assert config.video.max_pixels <= 7680 * 4320 and config.video.max_decoded_frames <= 10_000
+    assert config.video.max_frames <= 64 and config.audio.max_seconds <= 600
+
+
+def test_audio_whose_header_hides_its_length_is_stopped_while_decoding() -> None:
+    flac = bytearray(encode_flac(3.0, 16000, 1))
+    flac[8 + 13] &= 0xF0  # STREAMINFO's total samples (36 bits) := 0, "unknown"
+    flac[8 + 14:8 + 18] = b"\0\0\0\0"
+    with pytest.raises(DecodeError, match="samples after resampling") as caught:
+        make_decoder("audio", DecodeConfig.model_validate({"audio": {"max_seconds": 1.0}}))(bytes(flac), "k")
+    assert caught.value.reason == "too_long"
+
+
+def test_a_text_field_is_bounded_by_its_member_size_and_max_tokens() -> None:
+    decoder = make_decoder("text", DecodeConfig.model_validate({"text": {"max_tokens": 8}}))
+    with pytest.raises(DecodeError, match="over max_tokens = 8"):
+        decoder(b"x" * 9, "k")
+    assert np.array_equal(decoder(b"x" * 8, "k")[1].numpy(), np.full(8, ord("x")))
