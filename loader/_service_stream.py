@@ -64,7 +64,7 @@ class Ready:
 
 @dataclass(eq=False)
 class _Attached:
-    """A client of a stream: its cursor, its batch in hand (audited when it moves past it), its waiting."""
+    """A client of a stream: its cursor, its attempt, its waiting."""
 
     client: int
     token: str

@@ -314,7 +314,7 @@ class FeedClient:
                grad_accum: int | None = None) -> TopologyHints:
         """Continue at another world size (at a step boundary; else `FeedError`): what it means, as hints.
 
-        The batch in hand counts as delivered. Later batches are this rank's share of the rest of
+        Batches already taken stay valid. Later batches are this rank's share of the rest of
         the plan at the new size: nothing skipped, nothing repeated across all ranks.
         """
         state = self.state_dict()
@@ -345,7 +345,7 @@ class FeedClient:
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:
-        """Say goodbye (the last batch counts as delivered) and disconnect (idempotent)."""
+        """Say goodbye and disconnect (idempotent); batches the trainer still holds stay valid."""
         if self._closed:
             return
         self._closed = True
@@ -355,7 +355,7 @@ class FeedClient:
         self._goodbye()
 
     def _goodbye(self) -> None:
-        """Tell the service the batch in hand is delivered, and disconnect (batches still held stay valid)."""
+        """Say goodbye and disconnect (batches the trainer still holds stay valid)."""
         if self._sock is not None:
             try:
                 send(self._sock, {"op": "bye", "release": self._drain_released()})
