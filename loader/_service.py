@@ -92,7 +92,7 @@ class FeedService:
         self._seqs = itertools.count()
         self.instance = uuid.uuid4().hex  # clients tell services apart by it (batch numbers are per instance)
         self._audit_lock = threading.Lock()
-        self._attempts: dict[str, int] = {}  # attempt -> clients connected with it (insertion order: newest last)
+        self._attempts: dict[str, tuple[str, bool]] = {}  # checkpoint digest -> (its latest attempt, crashed)
         self._audit: IO[str] | None = open(config.audit_log, "a", encoding="utf-8") if config.audit_log else None  # noqa: SIM115
         self._stopping = threading.Event()
         self._started = time.monotonic()
@@ -375,9 +375,7 @@ class FeedService:
     def _disconnect(self, connection: _Connection) -> None:
         with self._lock:
             self._connections.pop(connection.id, None)
-        if connection.attempt is not None:
-            with self._audit_lock:
-                self._attempts[connection.attempt] -= 1
+        self._left(connection)
         self._leave_stream(connection)
         self._release_lent(connection.token, None)
         try:
@@ -454,28 +452,36 @@ class FeedService:
                     state: dict[str, Any]) -> str | None:
         """The attempt (a run of the job since it last loaded a checkpoint) whose deliveries this client's are.
 
-        A client that knows its attempt (it reconnects) keeps it. A client that just loaded a
-        checkpoint (``resume``: a fresh token per load) joins the attempt open on this service —
-        one with a client still connected: its peers loaded the same checkpoint moments ago, or
-        are running and a new rank joins them — or, when none is open (the job's previous
-        processes are gone: a restart), opens one, and a resume marker is logged: deliveries of
-        earlier attempts from the checkpoint's step on were never committed (`verify_coverage`).
+        A client that knows its attempt (it reconnects, to this service or a restarted one)
+        keeps it. A client that just loaded a checkpoint (``resume``: the digest of the state)
+        joins the attempt that loaded the same checkpoint, unless a client of that attempt left
+        without a goodbye (it crashed or was killed: the job is restarting); else it opens a new
+        attempt, and a resume marker is logged: deliveries of earlier attempts from the
+        checkpoint's step on were never committed (`verify_coverage` rolls them back).
         """
         with self._audit_lock:
             if attempt is None and resume is not None:
-                open_now = [a for a, n in self._attempts.items() if n > 0]
-                if open_now:
-                    attempt = open_now[-1]
+                current = self._attempts.get(resume)
+                if current is not None and not current[1]:
+                    attempt = current[0]
                 else:
-                    attempt = resume
+                    attempt = f"{resume}-{uuid.uuid4().hex[:8]}"
+                    self._attempts[resume] = (attempt, False)
                     self.write_audit({"resume": attempt, "epoch": state["plan"]["epoch"],
                                       "step": state["plan"]["step"], "accum_done": state["accum_done"],
                                       "topology_version": state["plan"]["topology_version"], "keys": []},
                                      locked=True)
-            if attempt is not None:
-                self._attempts[attempt] = self._attempts.pop(attempt, 0) + 1
             connection.attempt = attempt
         return attempt
+
+    def _left(self, connection: _Connection) -> None:
+        """A client of an attempt left without a goodbye: that attempt is over (the next load starts another)."""
+        if connection.attempt is None or connection.said_bye:
+            return
+        with self._audit_lock:
+            for checkpoint, (attempt, _) in list(self._attempts.items()):
+                if attempt == connection.attempt:
+                    self._attempts[checkpoint] = (attempt, True)
 
     def write_audit(self, record: dict[str, Any], locked: bool = False) -> None:
         """Append one delivery record to the audit log (if configured); ``locked``: the caller holds its lock."""

@@ -14,6 +14,7 @@ Tensor-parallel peers map the same pages: an in-place edit of a batch is seen by
 
 from __future__ import annotations
 
+import json
 import logging
 import mmap
 import os
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from omnifeed.loader import Feed, FeedError
 from omnifeed.loader._feed import FEED_STATE_FORMAT
@@ -60,7 +62,7 @@ class FeedClient:
         self.index_fingerprint = index_fingerprint
         self.lr_rule: LrRule = lr_rule
         self._plan_shape: tuple[int, float | None] | None = None  # (batch size, cost budget) from the service
-        self._resumed_from: str | None = None  # a fresh token per load_state_dict: "this job resumed from a checkpoint"
+        self._resumed_from: str | None = None  # digest of the state last loaded: "the job resumed from this checkpoint"
         self._attempt: str | None = None  # the service's name for the run since then (kept across reconnections)
         self.reconnect_timeout_s, self.request_timeout_s = reconnect_timeout_s, request_timeout_s
         self._feed: Feed | None = None
@@ -304,7 +306,8 @@ class FeedClient:
         else:
             self._goodbye()
             self._state = dict(state)
-            self._resumed_from, self._attempt = uuid.uuid4().hex, None
+            self._resumed_from = xxhash.xxh64_hexdigest(json.dumps(state, sort_keys=True).encode())
+            self._attempt = None
             self._connected(time.monotonic() + self.reconnect_timeout_s)
         if saved == (self.dp_world_size, self.grad_accum):
             return None
