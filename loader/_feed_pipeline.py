@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from concurrent.futures import CancelledError, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from multiprocessing import get_context
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +41,7 @@ from ._plan import MicroBatch, Plan
 from ._pools import DecodePools, PoolOwner
 from ._records import FieldLocation
 from ._fetch import Decoder, decode_in_process, from_process
+from ._worker_procs import WorkerDied, WorkerProcesses
 from ..cache import is_local
 from ._field_source import FieldSource, Loaded
 
@@ -105,13 +106,13 @@ class FieldReader:
         self.config, self.decoders, self.metrics = config, decoders, metrics
         self.source = FieldSource(config.cache, namespace, config.decode, custom)
         self._io = ThreadPoolExecutor(config.cache.remote.io_threads, thread_name_prefix="omnifeed-io")
-        self._executors: dict[str, ProcessPoolExecutor] = {}
+        self._executors: dict[str, WorkerProcesses] = {}
         context = get_context("forkserver")  # workers fork from a clean server, not from this threaded process
         context.set_forkserver_preload(["omnifeed.loader"])
         for modality in ("text", "image", "video", "audio"):
             processes = config.pool(modality).processes
             if processes and modality not in custom:  # a user's decoder may not pickle: it runs in threads
-                self._executors[modality] = ProcessPoolExecutor(max_workers=processes, mp_context=context)
+                self._executors[modality] = WorkerProcesses(processes, context, f"omnifeed-{modality}-decode")
 
     def prefetch(self, sample: IndexedSample, location: FieldLocation) -> Future[Loaded] | None:
         """Start loading a field's bytes (or cached decoded value) in an I/O thread; None for a local file.
@@ -127,8 +128,7 @@ class FieldReader:
     def _decode(self, sample: IndexedSample, location: FieldLocation, data: bytes) -> Any:
         executor = self._executors.get(location.modality)
         if executor is not None:
-            return from_process(executor.submit(decode_in_process, location.modality, data, sample.key,
-                                                self.config.decode).result())
+            return from_process(executor.run(decode_in_process, location.modality, data, sample.key, self.config.decode))
         decoder = self.decoders.get(location.modality)
         return data if decoder is None else decoder(data, sample.key)
 
@@ -156,6 +156,9 @@ class FieldReader:
         except SourceError as exc:
             slot.failure = SampleFailure(sample.key, sample.shard.url, modality, "read", str(exc))
             return 0
+        except WorkerDied as exc:  # twice on this field: the decoder itself brings its process down
+            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, "worker", str(exc))
+            return 0
         except MemoryError:
             raise
         except Exception as exc:  # storage errors after the remote tier's retries, from any fsspec backend
@@ -176,7 +179,7 @@ class FieldReader:
         """Stop the I/O threads and the worker processes and wait for them (idempotent)."""
         self._io.shutdown(wait=True, cancel_futures=True)
         for executor in self._executors.values():
-            executor.shutdown(wait=True, cancel_futures=True)
+            executor.close()
         self._executors.clear()
         self.source.close()
 

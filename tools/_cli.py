@@ -1,4 +1,4 @@
-"""The `omnifeed` command line: demo, index, precache, serve, stats, plan, verify.
+"""The `omnifeed` command line: demo, index, precache, serve, stats, plan, verify, chaos.
 
 Each command maps its flags one-to-one onto the typed configs of ``omnifeed.loader``.
 Exit status: 0 on success, 1 with a one-line reason on a handled error, 2 on usage errors.
@@ -142,7 +142,33 @@ def _parser() -> argparse.ArgumentParser:
     stats.add_argument("--once", action="store_true", help="print once and exit")
     stats.add_argument("--json", action="store_true", help="print the raw snapshot (one JSON object per refresh)")
     stats.set_defaults(run=_run_stats)
+
+    chaos = sub.add_parser("chaos", help="a bounded fault-injection soak: kill the service, decode workers and trainer "
+                           "ranks, resize, storage errors and latency; then verify exactly-once, leaks and orphans")
+    chaos.add_argument("--minutes", type=_positive_minutes, required=True, help="how long to inject faults; the job "
+                       "then finishes its epoch")
+    chaos.add_argument("--seed", type=int, default=0, help="seeds the dataset, the plan and the fault schedule")
+    chaos.add_argument("--out", default="chaos-output", help="working directory (recreated): data, logs, summary.json")
+    chaos.add_argument("--quick", action="store_true",
+                       help="48 samples, 1 or 2 ranks, a fault every 1-2.5 s (the test suite's)")
+    chaos.set_defaults(run=_run_chaos)
     return parser
+
+
+def _positive_minutes(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of minutes, not {text}")
+    return value
+
+
+def _run_chaos(args: argparse.Namespace) -> int:
+    from ._chaos import ChaosConfig, run_chaos
+
+    out = Path(args.out)
+    config = (ChaosConfig.quick(out, seed=args.seed, minutes=args.minutes) if args.quick
+              else ChaosConfig(minutes=args.minutes, out=out, seed=args.seed))
+    return run_chaos(config)
 
 
 def _section(path: str | None, name: str) -> dict[str, Any]:

@@ -3,11 +3,13 @@
 ``python -m omnifeed.trainer_adapter._toy_trainer --address SOCKET --rank R --world-size W``, or under
 ``torchrun ... -m omnifeed.trainer_adapter._toy_trainer --torchrun --address SOCKET`` (gloo, DDP).
 Trains a tiny model on each batch's image brightness and text length until the epoch in
-progress is delivered (or ``--max-steps``), checkpointing model and data state together
+progress is delivered (``--epochs N``: N epochs; ``--stop-file``: no further epoch once that file
+exists; or ``--max-steps``), checkpointing model and data state together
 (``--checkpoint``, every ``--save-every`` steps, by rank 0: at a step boundary every rank's
-data state is the same) and resuming from the checkpoint when it exists — at whatever world
-size it now runs: loading the data state performs the resize, and the hints it returns
-scale the learning rate. Prints one JSON summary line per rank.
+data state is the same; also at the end with ``--max-steps`` or ``--save-at-end``) and resuming
+from the checkpoint when it exists — at whatever world size it now runs: loading the data state
+performs the resize, and the hints it returns scale the learning rate. Prints one JSON summary
+line per rank.
 """
 
 from __future__ import annotations
@@ -45,6 +47,18 @@ def _save(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, 
     os.replace(tmp, path)
 
 
+def _stop_requested(path: Path | None, distributed: bool) -> bool:
+    """Whether ``path`` exists; under torchrun rank 0's answer, broadcast, so that every rank stops at the same step."""
+    if path is None:
+        return False
+    flag = torch.tensor([float(path.exists())])
+    if distributed:
+        import torch.distributed as dist
+
+        dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--address", required=True)
@@ -54,13 +68,18 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", type=Path)
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--max-steps", type=int, help="stop (and checkpoint) after this many steps in this run")
+    parser.add_argument("--save-at-end", action="store_true",
+                        help="checkpoint when the run ends, also when the epoch ended it (the next run starts the next epoch)")
+    parser.add_argument("--epochs", type=int, default=1, help="epochs to train in this run (the first is the one in progress)")
+    parser.add_argument("--stop-file", type=Path,
+                        help="start no further epoch once this file exists (with --torchrun rank 0 decides for all ranks)")
     parser.add_argument("--kill-at-step", type=int, help="SIGKILL this process at that step (fault injection)")
     parser.add_argument("--kill-rank", type=int, default=0)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train until the epoch in progress is delivered; print a JSON summary."""
+    """Train until the epoch in progress is delivered (or ``--epochs``, ``--stop-file``, ``--max-steps``); print a JSON summary."""
     args = _arguments(argv)
     torch.manual_seed(0)
     model: torch.nn.Module = torch.nn.Linear(2, 1)
@@ -73,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
         client = FeedClient(args.address, rank=args.rank, world_size=args.world_size)
-    steps = samples = run_steps = 0
+    steps = samples = run_steps = epochs = 0
     cpu = 0.0
     loss = torch.zeros(())
     hints = None
@@ -94,8 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             before = time.thread_time()
             batch = next(batches, None)
             cpu += time.thread_time() - before
-            if batch is None:
-                break
+            if batch is None:  # the epoch is delivered
+                epochs += 1
+                if epochs >= args.epochs or _stop_requested(args.stop_file, args.torchrun):
+                    break
+                batches = iter(client)
+                continue
             if not batch["__key__"]:
                 raise RuntimeError(f"rank {client.rank} got an empty batch at step {steps}")
             x = _features(batch)
@@ -108,12 +131,14 @@ def main(argv: list[str] | None = None) -> int:
             del batch
             if args.checkpoint is not None and client.rank == 0 and steps % args.save_every == 0:
                 _save(args.checkpoint, model, optimizer, client, steps)
-        if args.checkpoint is not None and client.rank == 0 and args.max_steps is not None:
+        ended = args.max_steps is not None or args.save_at_end
+        if args.checkpoint is not None and client.rank == 0 and ended:
             _save(args.checkpoint, model, optimizer, client, steps)
         summary = {"rank": client.rank, "world_size": client.world_size, "steps": steps, "run_steps": run_steps,
                    "samples": samples, "loss": round(float(loss), 5), "seconds": round(time.perf_counter() - started, 3),
                    "waited_s": round(client.waited_s, 3), "client_cpu_ms_per_batch": round(cpu / max(run_steps, 1) * 1e3, 3),
-                   "reconnects": client.reconnects, "hints": hints.to_json() if hints is not None else None}
+                   "reconnects": client.reconnects, "hints": hints.to_json() if hints is not None else None,
+                   "epochs": epochs, "next_epoch": client.epoch}
     print(json.dumps(summary), flush=True)
     if args.torchrun:
         import torch.distributed as dist

@@ -1,0 +1,178 @@
+"""Decode worker processes, one pipe each: a worker that dies costs a retry, never a hang, a lost pool or an orphan.
+
+Modalities configured with ``PoolConfig.processes`` decode here. A pool thread that has a
+field to decode takes a free worker, sends it the call on the worker's own pipe and waits for
+the answer or the worker's death::
+
+    thread ──take an idle worker (start one if fewer than `processes` run)──▶ send (function, args)
+           ◀── ("ok", value) | ("error", exception) ── wait(pipe, process sentinel)
+           worker gone (killed, out of memory, crashed): EOF or sentinel → a new worker, one more try;
+           dead twice on the same call → `WorkerDied` (the field is failed and replaced by the feed)
+
+Why not ``concurrent.futures.ProcessPoolExecutor`` (``omnifeed chaos`` kills decode workers,
+and found all three): one killed worker breaks the whole executor for good (every later task
+raises ``BrokenProcessPool``); a worker killed while it writes a large result leaves half a
+message in the shared result pipe and the executor's manager thread waits for the rest forever
+(the modality stalls and shutdown hangs); and its workers keep the write end of their own task
+queue, so they never see their parent die: a ``kill -9`` of the service left the workers, the
+fork server and the resource tracker running. Here each worker's pipe has one writer at each
+end: a dead parent is an EOF for the worker, which then exits; a dead worker is an EOF (or its
+sentinel) for the waiting thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from concurrent.futures import CancelledError
+from multiprocessing.connection import Connection, wait
+from multiprocessing.context import BaseContext
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_JOIN_S = 2.0
+
+
+class WorkerDied(RuntimeError):
+    """A decode worker process died while it held the call (killed, out of memory, or crashed on the input)."""
+
+
+def _serve(conn: Connection) -> None:
+    """A worker's loop: run calls from the pipe until the parent closes it (or dies)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    while True:
+        try:
+            function, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            reply: tuple[str, Any] = ("ok", function(*args))
+        except BaseException as exc:  # noqa: BLE001  re-raised in the calling thread
+            reply = ("error", exc)
+        try:
+            conn.send(reply)
+        except (EOFError, OSError):
+            return
+        except Exception as exc:  # noqa: BLE001  the value or the exception does not pickle
+            conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+
+
+class _Worker:
+    """One worker process and the parent's end of its pipe (the child's end is closed here after start)."""
+
+    def __init__(self, context: BaseContext, name: str) -> None:
+        parent, child = context.Pipe(duplex=True)
+        self.process = context.Process(target=_serve, args=(child,), name=name, daemon=True)  # type: ignore[attr-defined]
+        self.process.start()
+        child.close()
+        self.conn = parent
+
+    def call(self, function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str, Any]:
+        """Run ``function(*args)`` in the worker: ("ok", value) or ("error", exception); `WorkerDied` if it died."""
+        try:
+            self.conn.send((function, args))
+            ready = wait([self.conn, self.process.sentinel])
+            if self.conn not in ready:
+                raise WorkerDied(f"decode worker process {self.process.pid} exited with {self.process.exitcode}")
+            reply: tuple[str, Any] = self.conn.recv()  # EOF mid-message when it died writing: nothing else writes here
+            return reply
+        except (EOFError, OSError) as exc:
+            self.process.join(_JOIN_S)
+            raise WorkerDied(f"decode worker process {self.process.pid} died (exit code {self.process.exitcode})") from exc
+
+    def stop(self) -> None:
+        """Close the pipe (the worker exits on EOF) and reap it; kill it if it does not go."""
+        self.conn.close()
+        self.process.join(_JOIN_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(_JOIN_S)
+
+
+class WorkerProcesses:
+    """Up to ``processes`` worker processes of one modality, started on first use; `run` blocks the calling thread.
+
+    ``restarts`` counts workers lost and replaced. ``close()`` stops every worker (idempotent).
+    """
+
+    def __init__(self, processes: int, context: BaseContext, name: str = "omnifeed-decode") -> None:
+        if processes < 1:
+            raise ValueError(f"processes must be at least 1, got {processes}")
+        self.processes, self.name = processes, name
+        self._context = context
+        self._cond = threading.Condition()
+        self._idle: list[_Worker] = []
+        self._running = 0  # workers started and not lost (idle or busy)
+        self._closed = False
+        self.restarts = 0
+
+    def run(self, function: Callable[..., Any], *args: Any) -> Any:
+        """``function(*args)`` in a worker process (both must pickle); its exception is raised here.
+
+        A worker that dies during the call is replaced and the call made once more; raises
+        `WorkerDied` when the second worker dies too, ``CancelledError`` once closed.
+        """
+        for attempt in (0, 1):
+            worker = self._take()
+            try:
+                status, value = worker.call(function, args)
+            except WorkerDied:
+                self._lost(worker)
+                if attempt:
+                    raise
+                continue
+            self._give_back(worker)
+            if status == "error":
+                raise value
+            return value
+        raise AssertionError("unreachable")
+
+    def _take(self) -> _Worker:
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise CancelledError()
+                if self._idle:
+                    return self._idle.pop()
+                if self._running < self.processes:
+                    self._running += 1
+                    break
+                self._cond.wait()
+        try:
+            return _Worker(self._context, self.name)
+        except BaseException:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify()
+            raise
+
+    def _give_back(self, worker: _Worker) -> None:
+        with self._cond:
+            if not self._closed:
+                self._idle.append(worker)
+                self._cond.notify()
+                return
+            self._running -= 1
+        worker.stop()
+
+    def _lost(self, worker: _Worker) -> None:
+        worker.stop()
+        with self._cond:
+            self._running -= 1
+            self.restarts += 1
+            self._cond.notify()
+        log.warning("%s: a worker process died (exit code %s); starting another, its call is made once more",
+                    self.name, worker.process.exitcode)
+
+    def close(self) -> None:
+        """Stop the idle workers now, busy ones when their call returns; later calls raise ``CancelledError``."""
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._running -= len(idle)
+            self._cond.notify_all()
+        for worker in idle:
+            worker.stop()
