@@ -315,7 +315,10 @@ class FeedService:
             value = message.get(name)
             if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 64):
                 raise RequestError("protocol", f"hello field {name!r} must be a string of 1 to 64 characters")
-        since = self._attempt_of(connection, message.get("attempt"), message.get("resume"), state)
+        resume = message.get("resume")
+        if resume is None and message.get("state") is None:
+            resume = "start"  # a job starting from scratch: as if it loaded the plan's first position
+        since = self._attempt_of(connection, message.get("attempt"), resume, state)
         with stream.cond:
             stream.group = max(stream.group, world // dp_world)
             stream.attach(connection.id, token, rank, state, since)
@@ -453,8 +456,8 @@ class FeedService:
         """The attempt (a run of the job since it last loaded a checkpoint) whose deliveries this client's are.
 
         A client that knows its attempt (it reconnects, to this service or a restarted one)
-        keeps it. A client that just loaded a checkpoint (``resume``: the digest of the state)
-        joins the attempt that loaded the same checkpoint, unless a client of that attempt left
+        keeps it. A client that just loaded a checkpoint (``resume``: the digest of the state;
+        ``"start"`` for a job starting from scratch) joins the attempt that loaded the same checkpoint, unless a client of that attempt left
         without a goodbye (it crashed or was killed: the job is restarting); else it opens a new
         attempt, and a resume marker is logged: deliveries of earlier attempts from the
         checkpoint's step on were never committed (`verify_coverage` rolls them back).

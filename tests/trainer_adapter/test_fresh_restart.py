@@ -29,11 +29,6 @@ def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory)
     return out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "loader/_service.py FeedService._hello/_attempt_of: a client that loaded no state (a job starting from scratch, "
-    "as torchrun restarts one that crashed before its first checkpoint) belongs to no attempt and gets no resume "
-    "marker, so the crashed run's deliveries are never rolled back: duplicates (at the same world size the "
-    "re-delivered micro-batches have the same identity and count once; at another they do not)"))
 def test_a_job_restarted_from_scratch_at_another_size_after_a_crash_before_its_first_checkpoint_verifies(
         index_dir: Path, tmp_path: Path) -> None:
     socket = short_socket_dir() / "feed.sock"
