@@ -183,8 +183,9 @@ def render(verdict: Verdict) -> str:
                                                              f"{figures['seconds']:.0f} s)")
             lines.append(f"  {title}:")
             lines.append("    " + "; ".join(_figure(m, figures[m]) for m in ("rss", "fds", "threads", "children_rss")))
-        lines.append("  per epoch (last sample): " + ", ".join(
-            f"e{r['epoch']}: {r['rss'] / 2**20:.0f} MiB/{r['fds']} fds/{r['threads']} thr" for r in resources["per_epoch"]))
+        lines.append("  per epoch (last sample; @s: which service start): " + ", ".join(
+            f"e{r['epoch']}@s{r['start']}: {r['rss'] / 2**20:.0f} MiB/{r['fds']} fds/{r['threads']} thr"
+            for r in resources["per_epoch"]))
     lines.append(f"leaks: /dev/shm omnifeed* segments {len(verdict.shm_leaked)}, orphan processes {len(verdict.orphans)}")
     failures = verdict.failures()
     lines += [f"FAILED: {f}" for f in failures] or ["OK: every check passed"]
