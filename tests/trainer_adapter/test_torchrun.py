@@ -32,8 +32,14 @@ def torchrun(workers: int, address: Path, checkpoint: Path, *extra: str) -> subp
 
 
 def summaries(run: subprocess.CompletedProcess[str]) -> list[dict]:
-    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
-    return sorted((json.loads(line) for line in lines), key=lambda s: s["rank"])
+    """Each worker's JSON summary (torchrun merges the workers' output: two can share a line)."""
+    decoder, text, found = json.JSONDecoder(), run.stdout, []
+    start = text.find('{"rank"')
+    while start >= 0:
+        summary, end = decoder.raw_decode(text, start)
+        found.append(summary)
+        start = text.find('{"rank"', end)
+    return sorted(found, key=lambda s: s["rank"])
 
 
 def test_a_killed_worker_then_a_smaller_then_a_larger_job_deliver_the_epoch_exactly_once(
