@@ -242,8 +242,6 @@ class Soak:
             victim.kill()
             self.event(f"decode worker process {victim.pid} of the service killed (kill -9)")
         elif kind in ("trainer_kill", "resize"):
-            if not self.checkpoint.exists():  # known bug, tests/trainer_adapter/test_fresh_restart.py (docs/chaos.md)
-                return False
             return self._stop_job(kind)
         else:
             seconds = self.schedule.uniform(*self.config.spike_s)
