@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: demo test bench clean
+.PHONY: demo test bench bench-loaders clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,24 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_dataloader.py
 	$(PY) benchmarks/bench_handoff.py
 	$(PY) benchmarks/bench_resize.py
+	$(PY) benchmarks/bench_service_memory.py --malloc-stats
+	$(MAKE) bench-loaders
+
+# `omnifeed bench` beside the other loaders, in a venv of its own: MosaicML Streaming needs
+# torchvision, which has no build for the CPU torch 2.13.0 above, so this one takes torch
+# 2.14.1 + torchvision 0.29.1 (CUDA builds, several GB; they run on the CPU) for every loader alike.
+PEERS ?= .venv-peers
+PEERS_STAMP := $(PEERS)/.installed
+
+$(PEERS_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install --quiet torch==2.14.1 torchvision==0.29.1
+	$(PEERS)/bin/python -m pip install --quiet mosaicml-streaming litdata nvidia-dali-cuda120
+	$(PEERS)/bin/python -m pip install --quiet -e '.[bench]'
+	touch $(PEERS_STAMP)
+
+bench-loaders: $(PEERS_STAMP)
+	$(PEERS)/bin/python benchmarks/bench_loaders.py
 
 clean:
-	rm -rf $(VENV) demo-output benchmarks/_work
+	rm -rf $(VENV) $(PEERS) demo-output benchmarks/_work

@@ -6,7 +6,7 @@
 1. The index: ``--rows`` samples (image + caption) whose field locations all point at real
    bytes: one local tar of 8 small JPEGs (256×192) and captions, indexed once with
    ``build_index``; its 8 rows are then repeated (new keys, the same members' offsets and
-   sizes) and written with ``write_index_from_tables``, as ``bench_index`` does. Cached under
+   sizes) and written with ``write_index_from_tables`` (``omnifeed.tools._synthetic_index``). Cached under
    ``benchmarks/_work/resize-cache`` (``--work``). Checked: ``SampleIndex.num_samples`` and one
    in-process ``Feed`` batch (every image decoded, every caption read, none replaced).
 2. The service: ``omnifeed serve --config`` in its own process (plan: seed 0, fixed batches of
@@ -60,26 +60,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
-import webdataset
 import yaml
 
-from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
+from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex
 from omnifeed.loader._cursor import PlanCursor
 from omnifeed.loader._feed import FEED_STATE_FORMAT
-from omnifeed.loader._index import ROW_SCHEMA
-from omnifeed.loader._index_build import write_index_from_tables
 from omnifeed.loader._plan import Plan
 from omnifeed.loader._wire import request_metrics
-from omnifeed.tools._demo_data import encode_image
+from omnifeed.tools._synthetic_index import make_index
 from omnifeed.trainer_adapter import FeedClient
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results-resize.json"
 TARGET_MS = 1000.0
 SEED = 0
-MEMBERS = 8  # distinct samples in the tar; the index cycles over them
 W0, W1, W2 = 4, 3, 6
 
 
@@ -97,61 +91,7 @@ class Setup:
         return FeedConfig(plan=PlanConfig(seed=SEED, batch_size=self.batch_size))
 
 
-# -- the index -------------------------------------------------------------------------------
-def media_tar(work: Path) -> Path:
-    """One WebDataset tar of ``MEMBERS`` small JPEGs with captions."""
-    tar = work / "media.tar"
-    if not tar.exists():
-        partial = tar.with_suffix(".partial")
-        with open(partial, "wb") as f, webdataset.TarWriter(f, encoder=False) as out:
-            for i in range(MEMBERS):
-                caption = f"a small procedural picture, number {i}, with a gradient and a few shapes"
-                out.write({"__key__": f"m-{i:02d}", "jpg": encode_image(256, 192, "jpg", seed=i),
-                           "txt": caption.encode()})
-        partial.rename(tar)
-    return tar
-
-
-def template_rows(work: Path) -> tuple[pa.Table, Any, int]:
-    """The tar's rows as the index stores them (in member order), its shard spec and its size in bytes."""
-    tar = media_tar(work)
-    tiny = work / "template-index"
-    if not (tiny / "manifest.json").is_file():
-        build_index([str(tar)], tiny, IndexConfig(workers=1), progress=False)
-    index = SampleIndex(tiny)
-    tables = [pa.ipc.open_file(pa.memory_map(str(p), "r")).read_all() for p in sorted(tiny.glob("part-*.arrow"))]
-    rows = pa.concat_tables(tables).sort_by("shard_row").combine_chunks()
-    assert rows.num_rows == MEMBERS and len(index.shards) == 1
-    return rows, index.shards[0], tar.stat().st_size
-
-
-def repeated_tables(template: pa.Table, rows: int, chunk: int = 50_000) -> Iterator[pa.Table]:
-    """``rows`` index rows cycling over the template's members: new keys, the members' real locations."""
-    rng = np.random.default_rng(0)
-    for start in range(0, rows, chunk):
-        n = min(chunk, rows - start)
-        table = template.take(pa.array(np.arange(start, start + n) % template.num_rows))
-        for name, values in (("key", pa.array([f"sample-{i:010d}" for i in range(start, start + n)])),
-                             ("shard_row", pa.array(np.arange(start, start + n, dtype=np.int64))),
-                             ("row_digest", pa.array(rng.integers(0, 2**63, n).astype(np.uint64)))):
-            table = table.set_column(ROW_SCHEMA.get_field_index(name), ROW_SCHEMA.field(name), values)
-        yield table
-
-
-def make_index(work: Path, rows: int) -> tuple[Path, dict[str, Any]]:
-    """The ``rows``-sample index (built once, then reused from ``work``)."""
-    out = work / f"index-{rows}"
-    manifest = out / "manifest.json"
-    if manifest.is_file() and json.loads(manifest.read_text())["num_samples"] == rows:
-        return out, {"cached": True}
-    template, shard, size = template_rows(work)
-    if out.exists():
-        shutil.rmtree(out)
-    started = time.perf_counter()
-    write_index_from_tables(repeated_tables(template, rows), [shard], [size], out, IndexConfig(partitions=16))
-    return out, {"cached": False, "build_s": round(time.perf_counter() - started, 2)}
-
-
+# -- the index (omnifeed.tools._synthetic_index: 8 real JPEGs, rows repeated) ----------------
 def check_index(setup: Setup, rows: int) -> dict[str, Any]:
     """The index holds ``rows`` samples and an in-process feed decodes a whole batch of it."""
     index = SampleIndex(setup.index)

@@ -97,6 +97,7 @@ class Stream:
         self.idle_since: float | None = time.monotonic()
         self._slots: list[Segment] = []
         self._free: list[Segment] = []
+        self._segment_size = 0  # for new and reused segments: grown_size of the largest batch so far
         self.one_offs = 0  # batches sent in one-off segments because clients held every slot
         self._prefetch = service.config.prefetch_batches
         self._thread = threading.Thread(target=self._produce, name=f"omnifeed-stream-{dp_rank}", daemon=True)
@@ -147,22 +148,32 @@ class Stream:
         self.head = self.feed.state_dict()
 
     def _segment(self) -> Segment:
+        """A segment for the next batch, at least as large as the largest batch so far needed (holding the lock):
+        sized per slot, every slot would overflow on its own and its batch be collated twice (one epoch of the
+        mixed benchmark did that for most batches)."""
         if self._free:
-            return self._free.pop()
+            segment = self._free.pop()
+            if segment.size >= self._segment_size:
+                return segment
+            grown = Segment(segment.slot, segment.generation + 1, self._segment_size)
+            self._slots[segment.slot] = grown
+            segment.close()
+            return grown
         if len(self._slots) < self._prefetch + 2 * self.group + 2:
-            segment = Segment(len(self._slots), 0, self._slots[-1].size if self._slots else 0)
+            segment = Segment(len(self._slots), 0, self._segment_size)
             self._slots.append(segment)
             return segment
         self.one_offs += 1
-        return Segment(-1, 0, self._slots[-1].size)  # clients hold every slot: a one-off
+        return Segment(-1, 0, self._segment_size)  # clients hold every slot: a one-off
 
     def _publish(self, taken: Any, before: dict[str, Any], after: dict[str, Any], segment: Segment) -> None:
         writer = SegmentWriter(segment)
         batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
         if writer.overflowed:
-            grown = Segment(segment.slot, segment.generation + 1, grown_size(writer.needed))
             del batch
             with self.cond:
+                self._segment_size = max(self._segment_size, grown_size(writer.needed))
+                grown = Segment(segment.slot, segment.generation + 1, self._segment_size)
                 if segment.slot >= 0:
                     self._slots[segment.slot] = grown
             segment.close()

@@ -201,6 +201,13 @@ def _read_parquet_cell(url: str, field: FieldLocation, row_group: int, row: int)
         raise SourceError(f"{url}: column {field.member!r} row group {row_group} row {row}: {exc}", url=url) from None
 
 
+def _local_path(url: str) -> str | None:
+    """The file system path of a local URL (a plain path or ``file://``), else None."""
+    if url.startswith("file://"):
+        return url[len("file://"):]
+    return url if "://" not in url and "::" not in url else None
+
+
 def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, row: int = -1) -> bytes:
     """Read one field's bytes by its index location: a ranged read of a tar member, one folder
     file, or one Parquet cell (only that row group's column chunk is read).
@@ -215,8 +222,16 @@ def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, r
         if shard.kind == "tar":
             if field.offset < 0:
                 raise ValueError(f"{where}: a tar field needs a data offset, got {field.offset}")
-            fs, path = url_to_fs(url)
-            data = fs.cat_file(path, start=field.offset, end=field.offset + field.size)
+            local = _local_path(url)
+            if local is not None:  # fsspec's per-call filesystem lookup and file object cost ~0.3 ms a field
+                descriptor = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    data = os.pread(descriptor, field.size, field.offset)
+                finally:
+                    os.close(descriptor)
+            else:
+                fs, path = url_to_fs(url)
+                data = fs.cat_file(path, start=field.offset, end=field.offset + field.size)
         elif shard.kind == "folder":
             if escapes_root(member):
                 raise SourceError(f"{where}: the member path escapes the folder; re-run `omnifeed index`", url=url)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -41,21 +42,24 @@ class ServiceProcess:
     def __init__(self, config: Path, socket: Path) -> None:
         self.config, self.socket = config, socket
         self.process: subprocess.Popen[str] | None = None
+        # What it prints goes to a file, not a pipe: a service that serves many tests must never block on a full pipe.
+        self._log = tempfile.TemporaryFile(mode="w+", encoding="utf-8")
+        fcntl.fcntl(self._log.fileno(), fcntl.F_SETFL, fcntl.fcntl(self._log.fileno(), fcntl.F_GETFL) | os.O_APPEND)
 
     def start(self, timeout: float = 60.0) -> ServiceProcess:
         """Start and wait until the service answers a metrics request."""
         self.process = subprocess.Popen([sys.executable, "-c", _SERVE, "serve", "--config", str(self.config)],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                        stdout=self._log, stderr=subprocess.STDOUT, text=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"the service exited: {self.process.stdout.read() if self.process.stdout else ''}")
+                raise RuntimeError(f"the service exited: {self.output()}")
             try:
                 request_metrics(str(self.socket), timeout=2.0)
                 return self
             except OSError:
-                time.sleep(0.1)
-        raise TimeoutError("the service did not start")
+                time.sleep(0.05)
+        raise TimeoutError(f"the service did not start: {self.output()}")
 
     @property
     def pid(self) -> int:
@@ -81,6 +85,7 @@ class ServiceProcess:
             return self.process.wait(timeout=30)
 
     def output(self) -> str:
-        """What the service printed (after it stopped)."""
-        assert self.process is not None and self.process.stdout is not None
-        return self.process.stdout.read()
+        """What the service printed (every start of this object, in order)."""
+        self._log.flush()
+        self._log.seek(0)
+        return self._log.read()

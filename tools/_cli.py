@@ -1,4 +1,4 @@
-"""The `omnifeed` command line: demo, index, precache, serve, stats, plan, verify, chaos.
+"""The `omnifeed` command line: demo, index, precache, serve, stats, plan, verify, chaos, bench.
 
 Each command maps its flags one-to-one onto the typed configs of ``omnifeed.loader``.
 Exit status: 0 on success, 1 with a one-line reason on a handled error, 2 on usage errors.
@@ -34,6 +34,7 @@ from omnifeed.loader._cursor import Step
 from omnifeed.loader._plan_report import PlanReport
 from omnifeed.loader._index_build import default_workers
 
+from ._bench_loaders import LOADERS as BENCH_LOADERS
 from ._precache import PrecacheJob
 
 __version__ = "0.1.0"
@@ -152,7 +153,49 @@ def _parser() -> argparse.ArgumentParser:
     chaos.add_argument("--quick", action="store_true",
                        help="48 samples, 1 or 2 ranks, a fault every 1-2.5 s (the test suite's)")
     chaos.set_defaults(run=_run_chaos)
+
+    bench = sub.add_parser("bench", help="omnifeed beside DataLoader, WebLoader, StatefulDataLoader, Streaming, LitData "
+                           "and DALI (those installed): throughput, CPU, memory, resume cost, as ratios")
+    bench.add_argument("--data", metavar="DIR", help="a folder of JPEG files or of WebDataset shards for the image "
+                       "pipeline (default: generated)")
+    bench.add_argument("--images", type=_positive_int, default=2048, help="generated images (default 2048)")
+    bench.add_argument("--mixed", type=_positive_int, default=1536, help="generated multimodal samples (default 1536)")
+    bench.add_argument("--workers", type=_positive_int, default=2, help="CPU workers every loader gets (default 2)")
+    bench.add_argument("--batch-size", type=_positive_int, default=64)
+    bench.add_argument("--rounds", type=_positive_int, default=1, help="runs per loader, alternating; medians reported")
+    bench.add_argument("--loaders", default=",".join(BENCH_LOADERS), help="comma-separated subset of "
+                       f"{','.join(BENCH_LOADERS)}")
+    bench.add_argument("--pipelines", default="image,mixed", help="comma-separated subset of image,mixed")
+    bench.add_argument("--resume-samples", type=int, default=10_000_000, metavar="N",
+                       help="index size of the resume-cost comparison (0: skip it; default 10,000,000)")
+    bench.add_argument("--out", default="bench-output", help="working directory (recreated): data, report.json, bench.png")
+    bench.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness, not speed (the test suite's)")
+    bench.set_defaults(run=_run_bench)
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, not {text}")
+    return value
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from ._bench import BenchConfig, bench_command
+
+    loaders = [name for name in args.loaders.split(",") if name]
+    pipelines = [name for name in args.pipelines.split(",") if name]
+    unknown = sorted(set(loaders) - set(BENCH_LOADERS)) + sorted(set(pipelines) - {"image", "mixed"})
+    if unknown:
+        raise ValueError(f"unknown loader or pipeline {', '.join(unknown)}: choose from {', '.join(BENCH_LOADERS)} "
+                         "and image, mixed")
+    sizes = dict(images=64, mixed=32, batch_size=16, limit_seconds=0.5) if args.quick else dict(
+        images=args.images, mixed=args.mixed, batch_size=args.batch_size)
+    config = BenchConfig(work=Path(args.out), workers=args.workers, rounds=args.rounds, loaders=loaders,
+                         pipelines=pipelines, data=Path(args.data) if args.data else None, **sizes)
+    resume = min(args.resume_samples, 20_000) if args.quick else args.resume_samples
+    return bench_command(config, resume_samples=resume)
 
 
 def _positive_minutes(text: str) -> float:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from collections import Counter
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -19,16 +21,19 @@ from omnifeed.loader._plan import LengthSource
 FP = "index-fingerprint"
 
 
+@functools.lru_cache(maxsize=1)  # the same large index is planned several times by a test: generated once
 def _shards(num_samples: int, num_shards: int) -> tuple[np.ndarray, np.ndarray]:
-    """Shard sizes and a by-shard order for a synthetic index of ``num_samples`` rows."""
+    """Shard sizes and a by-shard order for a synthetic index of ``num_samples`` rows (read-only arrays)."""
     rng = np.random.default_rng(num_samples * 31 + num_shards)
     shard_of = np.sort(rng.integers(0, num_shards, num_samples))
     rng.shuffle(shard_of)  # positions are hash-ordered, not shard-ordered
-    return np.bincount(shard_of, minlength=num_shards), np.argsort(shard_of, kind="stable")
+    sizes, by_shard = np.bincount(shard_of, minlength=num_shards), np.argsort(shard_of, kind="stable")
+    sizes.flags.writeable = by_shard.flags.writeable = False  # shared between plans: none may change them
+    return sizes, by_shard
 
 
-def synthetic_lengths(num_samples: int) -> LengthSource:
-    """Index-like length columns with long-tailed text and a mix of images, video and audio."""
+@functools.lru_cache(maxsize=1)
+def _length_columns(num_samples: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(num_samples)
     kind = rng.integers(0, 4, num_samples)
     columns = {name: np.zeros(num_samples, dtype=np.float64) for name in INDEX_COLUMNS}
@@ -36,7 +41,23 @@ def synthetic_lengths(num_samples: int) -> LengthSource:
     columns["image_width"] = np.where(kind == 1, rng.integers(32, 1200, num_samples), 0)
     columns["image_height"] = np.where(kind == 1, rng.integers(32, 1200, num_samples), 0)
     columns["audio_seconds"] = np.where(kind == 2, rng.uniform(0.5, 20, num_samples), 0)
+    for values in columns.values():
+        values.flags.writeable = False
+    return columns
+
+
+def synthetic_lengths(num_samples: int) -> LengthSource:
+    """Index-like length columns with long-tailed text and a mix of images, video and audio."""
+    columns = _length_columns(num_samples)
     return lambda positions: {name: values[positions] for name, values in columns.items()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _free_synthetic_indexes() -> Iterator[None]:
+    """The cached columns of a 10-million-row index are large: let them go with this module."""
+    yield
+    _shards.cache_clear()
+    _length_columns.cache_clear()
 
 
 def _config(batching: str, **config: object) -> PlanConfig:

@@ -1,4 +1,4 @@
-"""The `omnifeed` command line as a user runs it: real subprocesses, real files."""
+"""The `omnifeed` command line as a user runs it: each command a process of its own, real files (cli_runner)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,33 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from cli_runner import CliRunner
+
 OMNIFEED = [str(Path(sys.executable).with_name("omnifeed"))]
+_forked: CliRunner | None = None
 
 
-def run(*args: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([*OMNIFEED, *args], capture_output=True, text=True, input=stdin, timeout=300)
+@pytest.fixture(scope="module", autouse=True)
+def forked_commands() -> Iterator[None]:
+    """Commands run in processes forked from an interpreter that imported the command line once (cli_runner)."""
+    global _forked
+    _forked = CliRunner()
+    yield
+    _forked.close()
+    _forked = None
+
+
+def run(*args: str, check: bool = True, stdin: str | None = None, script: bool = False) -> subprocess.CompletedProcess[str]:
+    """`omnifeed ARGS` in a process of its own; ``script``: start the console script itself, as a shell does."""
+    if script or _forked is None:
+        result = subprocess.run([*OMNIFEED, *args], capture_output=True, text=True, input=stdin, timeout=300)
+    else:
+        result = _forked.run(*args, stdin=stdin, timeout=300)
     if check and result.returncode != 0:
         raise AssertionError(f"omnifeed {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
     return result
@@ -24,7 +42,8 @@ def run(*args: str, check: bool = True, stdin: str | None = None) -> subprocess.
 def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "index"
     pattern = str(demo_shards[0]).replace("0000", f"{{0000..{len(demo_shards) - 1:04d}}}")
-    result = run("index", pattern, "--out", str(out), "--partitions", "3", "--workers", "2", "--no-progress")
+    result = run("index", pattern, "--out", str(out), "--partitions", "3", "--workers", "2", "--no-progress",
+                 script=True)
     summary = json.loads(result.stdout)
     assert summary["samples"] > 0 and summary["shards"] == len(demo_shards) and summary["errors"] == 0
     return out
@@ -101,13 +120,13 @@ def test_index_exits_nonzero_naming_a_bad_shard_and_keeps_the_rest(demo_shards: 
 
 
 def test_errors_are_one_line_with_nonzero_exit(tmp_path: Path) -> None:
-    result = run("plan", str(tmp_path), "--world-size", "2", check=False)
+    result = run("plan", str(tmp_path), "--world-size", "2", check=False, script=True)
     assert result.returncode == 1
     assert result.stderr.startswith("omnifeed: error:") and "omnifeed index" in result.stderr
 
 
 def test_demo_runs_end_to_end_and_verifies(tmp_path: Path) -> None:
-    result = run("demo", "--out", str(tmp_path / "demo"), "--samples", "48")
+    result = run("demo", "--out", str(tmp_path / "demo"), "--samples", "48", script=True)
     assert "OK: every sample of epoch 0 delivered exactly once" in result.stdout
     assert "from the source files: 0" in result.stdout  # the feed ran from the pre-cached NVMe tier
 

@@ -48,14 +48,46 @@ def planned_keys(index_dir: Path, world: int, rank: int, epochs: int = 1) -> lis
         return [batch["__key__"] for _ in range(epochs) for batch in feed]
 
 
+def start_service(index_dir: Path, folder: Path) -> ServiceProcess:
+    """`omnifeed serve` of ``index_dir`` (audit log ``folder/audit.jsonl``; idle streams close at once)."""
+    socket = short_socket_dir() / "feed.sock"
+    config = write_config(folder, index_dir, socket=socket, audit_log=folder / "audit.jsonl", stream_idle_s=0)
+    return ServiceProcess(config, socket).start()
+
+
 @pytest.fixture()
-def service(index_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
-    socket_dir = short_socket_dir()
-    socket = socket_dir / "feed.sock"
-    config = write_config(tmp_path, index_dir, socket=socket, audit_log=tmp_path / "audit.jsonl", stream_idle_s=0)
-    process = ServiceProcess(config, socket).start()
+def own_service(index_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A service for this test alone (its audit log must hold this test's deliveries only)."""
+    process = start_service(index_dir, tmp_path)
     yield process
     process.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_service(index_dir: Path, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """One service for the tests that neither kill it nor read its audit log (starting one costs seconds)."""
+    process = start_service(index_dir, tmp_path_factory.mktemp("client-service"))
+    yield process
+    assert process.stop() == 0, process.output()
+
+
+@pytest.fixture()
+def service(shared_service: ServiceProcess):  # type: ignore[no-untyped-def]
+    """The shared service, idle: no client and no stream of an earlier test left (fresh clients see a fresh service)."""
+    wait_idle(shared_service)
+    yield shared_service
+    assert shared_service.process is not None and shared_service.process.poll() is None, shared_service.output()
+
+
+def wait_idle(service: ServiceProcess, timeout: float = 30.0) -> None:
+    """Wait until the service has no client, stream or segment left (its idle streams close at once)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        snapshot = request_metrics(str(service.socket))["service"]
+        if snapshot["clients"] == snapshot["streams"] == snapshot["segments"] == 0:
+            return
+        assert time.monotonic() < deadline, f"the shared service did not go idle: {snapshot}"
+        time.sleep(0.05)
 
 
 def run_client(address: Path, rank: int, world: int, dp_world: int | None = None) -> subprocess.Popen[str]:
@@ -71,12 +103,13 @@ def finished(process: subprocess.Popen[str]) -> list[dict]:
     return [json.loads(line) for line in out.splitlines()]
 
 
-def test_two_client_processes_deliver_an_epoch_exactly_once(service: ServiceProcess, index_dir: Path, tmp_path: Path) -> None:
-    clients = [run_client(service.socket, rank, 2) for rank in range(2)]
+def test_two_client_processes_deliver_an_epoch_exactly_once(own_service: ServiceProcess, index_dir: Path,
+                                                            tmp_path: Path) -> None:
+    clients = [run_client(own_service.socket, rank, 2) for rank in range(2)]
     results = [finished(c) for c in clients]
     for rank, lines in enumerate(results):
         assert [line["keys"] for line in lines] == planned_keys(index_dir, 2, rank)
-    service.stop()
+    own_service.stop()
     report = verify_coverage(SampleIndex(index_dir), 0, read_delivery_logs([tmp_path / "audit.jsonl"]))
     assert report.ok, report.to_json()
 

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from feed_service import ServiceProcess, short_socket_dir, write_config
-from omnifeed.loader import IndexConfig, SampleIndex, build_index, read_delivery_logs, verify_coverage
+from feed_service import short_socket_dir
+from omnifeed.loader import FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index, read_delivery_logs, verify_coverage
+from omnifeed.loader._service import FeedService
+from omnifeed.loader._service_config import ServiceConfig
 from omnifeed.trainer_adapter import FeedClient
 
 # A trainer rank with no checkpoint yet: trains two steps and is killed before it saves one.
@@ -29,11 +31,20 @@ def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory)
     return out
 
 
+def start_service(index_dir: Path, socket: Path, audit: Path) -> FeedService:
+    """The feed service in this process (what `omnifeed serve` runs; the ranks that crash are processes of their own)."""
+    config = ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+                           socket=str(socket), audit_log=str(audit))
+    service = FeedService(config)
+    service.start()
+    return service
+
+
 def test_a_job_restarted_from_scratch_at_another_size_after_a_crash_before_its_first_checkpoint_verifies(
         index_dir: Path, tmp_path: Path) -> None:
     socket = short_socket_dir() / "feed.sock"
     audit = tmp_path / "audit.jsonl"
-    service = ServiceProcess(write_config(tmp_path, index_dir, socket=socket, audit_log=audit), socket).start()
+    service = start_service(index_dir, socket, audit)
     try:
         crashed = subprocess.run([sys.executable, "-c", _CRASHING_RANK, str(socket)], capture_output=True, text=True,
                                  timeout=120)

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from feed_service import ServiceProcess, short_socket_dir, write_config
-from omnifeed.loader import IndexConfig, SampleIndex, build_index, read_delivery_logs, verify_coverage
+from feed_service import short_socket_dir
+from omnifeed.loader import FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index, read_delivery_logs, verify_coverage
+from omnifeed.loader._service import FeedService
+from omnifeed.loader._service_config import ServiceConfig
 from omnifeed.trainer_adapter import FeedClient
 
 # A trainer rank that resumes from a checkpoint, trains two steps and is killed before its next checkpoint.
@@ -32,10 +34,19 @@ def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory)
     return out
 
 
+def start_service(index_dir: Path, socket: Path, audit: Path) -> FeedService:
+    """The feed service in this process (what `omnifeed serve` runs; the ranks that crash are processes of their own)."""
+    config = ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+                           socket=str(socket), audit_log=str(audit))
+    service = FeedService(config)
+    service.start()
+    return service
+
+
 def test_two_restarts_from_the_same_checkpoint_verify_exactly_once(index_dir: Path, tmp_path: Path) -> None:
     socket = short_socket_dir() / "feed.sock"
     audit = tmp_path / "audit.jsonl"
-    service = ServiceProcess(write_config(tmp_path, index_dir, socket=socket, audit_log=audit), socket).start()
+    service = start_service(index_dir, socket, audit)
     try:
         with FeedClient(str(socket)) as first:  # the job's first run: a checkpoint after 2 steps, then a crash
             batches = iter(first)
@@ -70,7 +81,7 @@ def test_a_rank_killed_right_after_the_checkpoint_that_commits_its_step_leaves_n
         index_dir: Path, tmp_path: Path) -> None:
     socket = short_socket_dir() / "feed.sock"
     audit = tmp_path / "audit.jsonl"
-    service = ServiceProcess(write_config(tmp_path, index_dir, socket=socket, audit_log=audit), socket).start()
+    service = start_service(index_dir, socket, audit)
     try:
         rank_one = subprocess.Popen([sys.executable, "-c", _RANK_ONE, str(socket)], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, text=True)
