@@ -50,8 +50,7 @@ from omnifeed.loader import (  # noqa: E402
     make_decoder,
 )
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_feed import write_images  # noqa: E402
+from omnifeed.tools._bench import write_images  # noqa: E402
 
 from omnifeed.loader._feed_pipeline import fields_to_decode  # noqa: E402
 from omnifeed.tools._precache import PrecacheJob  # noqa: E402

@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 import torch
-import webdataset
 
 from omnifeed.loader import (
     DecodeConfig,
@@ -43,24 +42,10 @@ from omnifeed.loader import (
     make_decoder,
     read_field,
 )
-from omnifeed.tools._demo_data import DemoDatasetSpec, encode_image, write_webdataset
+from omnifeed.tools._bench import write_images
+from omnifeed.tools._demo_data import DemoDatasetSpec, write_webdataset
 
 _IMAGE = dict(resize="short_side", size=224, crop="center")
-
-
-def write_images(out: Path, count: int, shards: int = 4) -> list[Path]:
-    """``count`` 640×480-ish JPEG photos-to-be in WebDataset shards."""
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for shard in range(shards):
-        path = out / f"images-{shard:04d}.tar"
-        with open(path, "wb") as stream, webdataset.TarWriter(stream, encoder=False, mtime=0) as sink:
-            for i in range(shard, count, shards):
-                width, height = (640, 480) if i % 3 else (500, 375)
-                sink.write({"__key__": f"img-{i:06d}", "jpg": encode_image(width, height, "jpg", seed=i),
-                            "txt": f"image {i}".encode()})
-        paths.append(path)
-    return paths
 
 
 def _cpu() -> float:

@@ -14,6 +14,9 @@ from typing import Any
 
 import yaml
 
+from omnifeed.loader import FeedConfig, PlanConfig
+from omnifeed.loader._service import FeedService
+from omnifeed.loader._service_config import ServiceConfig
 from omnifeed.loader._wire import request_metrics
 
 _SERVE = "from omnifeed.tools._cli import main; raise SystemExit(main())"
@@ -89,3 +92,12 @@ class ServiceProcess:
         self._log.flush()
         self._log.seek(0)
         return self._log.read()
+
+
+def start_service(index_dir: Path, socket: Path, audit: Path) -> FeedService:
+    """The feed service in this process (what `omnifeed serve` runs), plan seed 3, batch size 4, auditing to ``audit``."""
+    config = ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+                           socket=str(socket), audit_log=str(audit))
+    service = FeedService(config)
+    service.start()
+    return service

@@ -78,8 +78,8 @@ class Dataset:
     samples: int
 
 
-def _write_images(out: Path, count: int, shards: int = 4) -> list[Path]:
-    """``count`` 640×480 and 500×375 JPEG photos with a class label, as shards."""
+def write_images(out: Path, count: int, shards: int = 4) -> list[Path]:
+    """``count`` 640×480 and 500×375 JPEG photos with a class label (``jpg``, ``cls``), as WebDataset shards."""
     import webdataset
 
     out.mkdir(parents=True, exist_ok=True)
@@ -137,7 +137,7 @@ def prepare_datasets(config: BenchConfig) -> dict[str, Dataset]:
                 shards = _folder_to_shards(config.data, root / "shards")
                 _shards_to_folder(shards, root / "files")  # keys and fields as the shards name them
         elif pipeline == "image":
-            shards = _write_images(root / "shards", config.images)
+            shards = write_images(root / "shards", config.images)
             _shards_to_folder(shards, root / "files")
         else:
             spec = DemoDatasetSpec(num_samples=config.mixed, num_shards=4, image_px=(160, 640))

@@ -48,9 +48,9 @@ def test_unknown_loader_is_a_usage_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("layout", ["files", "shards"])
 def test_takes_a_users_images_as_files_or_shards(tmp_path: Path, layout: str) -> None:
-    from omnifeed.tools._bench import BenchConfig, _shards_to_folder, _write_images, prepare_datasets
+    from omnifeed.tools._bench import BenchConfig, _shards_to_folder, write_images, prepare_datasets
 
-    shards = _write_images(tmp_path / "given-shards", 12)
+    shards = write_images(tmp_path / "given-shards", 12)
     given = tmp_path / "given"
     if layout == "files":
         _shards_to_folder(shards, given)

@@ -8,10 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from feed_service import short_socket_dir
-from omnifeed.loader import FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index, read_delivery_logs, verify_coverage
-from omnifeed.loader._service import FeedService
-from omnifeed.loader._service_config import ServiceConfig
+from feed_service import short_socket_dir, start_service
+from omnifeed.loader import IndexConfig, SampleIndex, build_index, read_delivery_logs, verify_coverage
 from omnifeed.trainer_adapter import FeedClient
 
 # A trainer rank with no checkpoint yet: trains two steps and is killed before it saves one.
@@ -29,15 +27,6 @@ def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory)
     out = tmp_path_factory.mktemp("fresh-restart-index") / "index"
     build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
     return out
-
-
-def start_service(index_dir: Path, socket: Path, audit: Path) -> FeedService:
-    """The feed service in this process (what `omnifeed serve` runs; the ranks that crash are processes of their own)."""
-    config = ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
-                           socket=str(socket), audit_log=str(audit))
-    service = FeedService(config)
-    service.start()
-    return service
 
 
 def test_a_job_restarted_from_scratch_at_another_size_after_a_crash_before_its_first_checkpoint_verifies(
