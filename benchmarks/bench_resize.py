@@ -66,7 +66,7 @@ from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex
 from omnifeed.loader._cursor import PlanCursor
 from omnifeed.loader._feed import FEED_STATE_FORMAT
 from omnifeed.loader._plan import Plan
-from omnifeed.loader._wire import request_metrics
+from omnifeed.loader._wire import request_metrics, wait_until_serving
 from omnifeed.tools._synthetic_index import make_index
 from omnifeed.trainer_adapter import FeedClient
 
@@ -133,19 +133,11 @@ class Service:
         self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115
         self.process = subprocess.Popen([sys.executable, "-m", "omnifeed.tools", "serve", "--config", str(config_path)],
                                         stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 120
-        while True:
-            if self.process.poll() is not None:
-                self.close()
-                raise RuntimeError(f"the service exited; see {self.log_path}")
-            try:
-                request_metrics(self.address, timeout=2.0)
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.close()
-                    raise TimeoutError("the service did not start") from None
-                time.sleep(0.1)
+        try:
+            wait_until_serving(self.address, self.process, 120.0, detail=lambda: f"see {self.log_path}")
+        except (RuntimeError, TimeoutError):
+            self.close()
+            raise
 
     def metrics(self) -> dict[str, Any]:
         snapshot = request_metrics(self.address)

@@ -54,7 +54,7 @@ import psutil
 import yaml
 
 from omnifeed.loader import FeedConfig, IndexConfig, build_index
-from omnifeed.loader._wire import request_metrics
+from omnifeed.loader._wire import request_metrics, wait_until_serving
 from omnifeed.tools._demo_data import DemoDatasetSpec, write_webdataset
 from omnifeed.trainer_adapter import FeedClient
 
@@ -229,18 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     samples: list[dict[str, Any]] = []
     started = time.monotonic()
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            if service.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"the service exited: {log.read()}")
-            try:
-                request_metrics(_SOCKET, timeout=2.0)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the service did not start") from None
-                time.sleep(0.1)
+        wait_until_serving(_SOCKET, service, 120.0, detail=lambda: f"see {log.name}")
         samples.append(sample(service.pid, -1, time.monotonic() - started, stats_path))
         batches = 0
         with FeedClient(_SOCKET) as client:

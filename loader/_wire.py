@@ -173,3 +173,26 @@ def request_metrics(address: str, timeout: float = 5.0) -> dict[str, Any]:
     if not isinstance(snapshot, dict):
         raise ProtocolError("the metrics reply holds no snapshot")
     return snapshot
+
+
+def wait_until_serving(address: str, process: Any = None, timeout: float = 60.0,
+                       detail: Callable[[], str] = lambda: "") -> None:
+    """Block until the service at ``address`` answers a metrics request.
+
+    ``process`` (a ``subprocess.Popen`` running ``omnifeed serve``): RuntimeError as soon as it
+    exits; TimeoutError after ``timeout`` seconds. ``detail()`` is appended to either message
+    (where the service's output is).
+    """
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the service exited with {process.returncode} at start; {detail()}")
+        try:
+            request_metrics(address, timeout=2.0)
+            return
+        except (OSError, EOFError):  # not listening yet, or the socket of a service it replaces
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the service did not answer within {timeout:.0f} s; {detail()}") from None
+            time.sleep(0.05)

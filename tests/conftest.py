@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from omnifeed.loader import IndexConfig, build_index
 from omnifeed.tools._demo_data import (
     DemoDatasetSpec,
     DemoSample,
@@ -57,3 +58,11 @@ def demo_folder(
 ) -> Path:
     """``demo_spec`` as a folder tree ``part-NN/sample-XXXXXX.<field>``; the root folder."""
     return write_folder(tmp_path_factory.mktemp("demo-folder"), demo_spec, samples=demo_truth)
+
+
+@pytest.fixture(scope="session")
+def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo shards indexed once for the session (read-only: a test that damages an index builds its own)."""
+    out = tmp_path_factory.mktemp("demo-index") / "index"
+    build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
+    return out

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import yaml
 from omnifeed.loader import FeedConfig, PlanConfig
 from omnifeed.loader._service import FeedService
 from omnifeed.loader._service_config import ServiceConfig
-from omnifeed.loader._wire import request_metrics
+from omnifeed.loader._wire import wait_until_serving
 
 _SERVE = "from omnifeed.tools._cli import main; raise SystemExit(main())"
 
@@ -53,16 +52,8 @@ class ServiceProcess:
         """Start and wait until the service answers a metrics request."""
         self.process = subprocess.Popen([sys.executable, "-c", _SERVE, "serve", "--config", str(self.config)],
                                         stdout=self._log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the service exited: {self.output()}")
-            try:
-                request_metrics(str(self.socket), timeout=2.0)
-                return self
-            except OSError:
-                time.sleep(0.05)
-        raise TimeoutError(f"the service did not start: {self.output()}")
+        wait_until_serving(str(self.socket), self.process, timeout, detail=self.output)
+        return self
 
     @property
     def pid(self) -> int:

@@ -256,7 +256,7 @@ def run_omnifeed_service(spec: RunSpec) -> Iterable[dict[str, Any]]:
     """`omnifeed serve` in a child process and a FeedClient reading from it over shared memory."""
     import yaml
 
-    from omnifeed.loader._wire import request_metrics
+    from omnifeed.loader._wire import wait_until_serving
     from omnifeed.trainer_adapter import FeedClient
 
     Path(spec.work).chmod(0o700)  # the service refuses a socket directory other users can enter
@@ -266,15 +266,8 @@ def run_omnifeed_service(spec: RunSpec) -> Iterable[dict[str, Any]]:
                                       "feed": feed_config(spec).model_dump(mode="json")}), encoding="utf-8")
     service = subprocess.Popen([sys.executable, "-m", "omnifeed.tools", "serve", "--config", str(config)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            request_metrics(str(socket), timeout=2.0)
-            break
-        except OSError:
-            if service.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the service did not start: {service.stderr.read().decode() if service.stderr else ''}")
-            time.sleep(0.05)
+    wait_until_serving(str(socket), service, 120.0,
+                       detail=lambda: service.stderr.read().decode() if service.poll() is not None and service.stderr else "")
 
     def batches() -> Iterator[dict[str, Any]]:
         try:

@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from omnifeed.loader._wire import request_metrics
+from omnifeed.loader._wire import wait_until_serving
 
 MARKER = "OMNIFEED_CHAOS_RUN"
 _GRACE_S = 5.0
@@ -87,16 +87,7 @@ class Service:
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Wait until the service answers a metrics request."""
         assert self.process is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the service exited with {self.process.returncode} at start; see {self.log}")
-            try:
-                request_metrics(str(self.socket), timeout=2.0)
-                return
-            except (OSError, EOFError):  # not listening yet, or the socket of the service it replaces
-                time.sleep(0.1)
-        raise TimeoutError(f"the service did not answer within {timeout:.0f} s; see {self.log}")
+        wait_until_serving(str(self.socket), self.process, timeout, detail=lambda: f"see {self.log}")
 
     @property
     def pid(self) -> int:

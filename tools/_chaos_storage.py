@@ -152,12 +152,18 @@ def _handler(server: RangeServer) -> type[BaseHTTPRequestHandler]:
                 self.end_headers()
             return failing
 
-        def do_HEAD(self) -> None:  # noqa: N802
+        def _found(self) -> Path | None:
+            """The requested file, or None once a fault or a 404 has been answered."""
             if self._faulted():
-                return
+                return None
             path = server.file(self.path)
             if path is None:
                 self.send_error(404)
+            return path
+
+        def do_HEAD(self) -> None:  # noqa: N802
+            path = self._found()
+            if path is None:
                 return
             self.send_response(200)
             self.send_header("Content-Length", str(path.stat().st_size))
@@ -165,11 +171,8 @@ def _handler(server: RangeServer) -> type[BaseHTTPRequestHandler]:
             self.end_headers()
 
         def do_GET(self) -> None:  # noqa: N802
-            if self._faulted():
-                return
-            path = server.file(self.path)
+            path = self._found()
             if path is None:
-                self.send_error(404)
                 return
             total = path.stat().st_size
             header = self.headers.get("Range")

@@ -8,16 +8,9 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-from omnifeed.loader import DataLoader, Feed, FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
+from omnifeed.loader import DataLoader, Feed, FeedConfig, PlanConfig, SampleIndex
 
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("dataloader-index") / "index"
-    build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
-    return out
 
 
 def config() -> FeedConfig:

@@ -14,18 +14,11 @@ import msgpack
 import pytest
 
 from feed_service import ServiceProcess, short_socket_dir, write_config
-from omnifeed.loader import FeedConfig, IndexConfig, OmnifeedError, PlanConfig, build_index
+from omnifeed.loader import FeedConfig, OmnifeedError, PlanConfig
 from omnifeed.loader._service import FeedService
 from omnifeed.loader._service_config import ServiceConfig
 from omnifeed.loader._wire import MAX_REQUEST_BYTES, PROTOCOL, receive, request_metrics
 from omnifeed.trainer_adapter import FeedClient
-
-
-@pytest.fixture(scope="module")
-def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("service-index") / "index"
-    build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from feed_service import ServiceProcess, short_socket_dir, write_config
-from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index, read_delivery_logs, verify_coverage
+from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex, read_delivery_logs, verify_coverage
 from omnifeed.loader._service_config import ServiceConfig
 from omnifeed.loader._wire import ServiceError, request_metrics
 from omnifeed.trainer_adapter import FeedClient
@@ -30,13 +30,6 @@ with FeedClient(address, rank=rank, world_size=world, dp_rank=rank // group, dp_
     for batch in client:
         print(json.dumps({"keys": batch["__key__"], "sum": int(batch["image"]["pixels"].sum()) if "image" in batch else 0}), flush=True)
 """
-
-
-@pytest.fixture(scope="module")
-def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("client-index") / "index"
-    build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
-    return out
 
 
 def feed_config() -> FeedConfig:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from feed_service import short_socket_dir, start_service
-from omnifeed.loader import IndexConfig, SampleIndex, build_index, read_delivery_logs, verify_coverage
+from omnifeed.loader import SampleIndex, read_delivery_logs, verify_coverage
 from omnifeed.trainer_adapter import FeedClient
 
 # A trainer rank with no checkpoint yet: trains two steps and is killed before it saves one.
@@ -20,13 +20,6 @@ batches = iter(FeedClient(sys.argv[1]))
 next(batches); next(batches)
 os.kill(os.getpid(), signal.SIGKILL)
 """
-
-
-@pytest.fixture(scope="module")
-def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("fresh-restart-index") / "index"
-    build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
-    return out
 
 
 def test_a_job_restarted_from_scratch_at_another_size_after_a_crash_before_its_first_checkpoint_verifies(

@@ -10,18 +10,11 @@ import pytest
 import torch
 
 from feed_service import short_socket_dir
-from omnifeed.loader import FeedConfig, FeedError, IndexConfig, PlanConfig, SampleIndex, build_index, read_delivery_logs, verify_coverage
+from omnifeed.loader import FeedConfig, FeedError, PlanConfig, SampleIndex, read_delivery_logs, verify_coverage
 from omnifeed.loader._service import FeedService
 from omnifeed.loader._service_config import ServiceConfig
 from omnifeed.loader._wire import ServiceError
 from omnifeed.trainer_adapter import FeedClient, scale_learning_rate, topology_hints
-
-
-@pytest.fixture(scope="module")
-def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("resize-index") / "index"
-    build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
-    return out
 
 
 def service_config(index_dir: Path, audit: Path, batch_size: int = 2) -> ServiceConfig:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from feed_service import short_socket_dir, start_service
-from omnifeed.loader import IndexConfig, SampleIndex, build_index, read_delivery_logs, verify_coverage
+from omnifeed.loader import SampleIndex, read_delivery_logs, verify_coverage
 from omnifeed.trainer_adapter import FeedClient
 
 # A trainer rank that resumes from a checkpoint, trains two steps and is killed before its next checkpoint.
@@ -23,13 +23,6 @@ batches = iter(client)
 next(batches); next(batches)  # the first is audited when the second is asked for
 os.kill(os.getpid(), signal.SIGKILL)
 """
-
-
-@pytest.fixture(scope="module")
-def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("resume-markers-index") / "index"
-    build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
-    return out
 
 
 def test_two_restarts_from_the_same_checkpoint_verify_exactly_once(index_dir: Path, tmp_path: Path) -> None:

@@ -11,16 +11,9 @@ from pathlib import Path
 import pytest
 
 from feed_service import ServiceProcess, short_socket_dir, write_config
-from omnifeed.loader import IndexConfig, SampleIndex, build_index, read_delivery_logs, verify_coverage
+from omnifeed.loader import SampleIndex, read_delivery_logs, verify_coverage
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("torchrun-index") / "index"
-    build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
-    return out
 
 
 def torchrun(workers: int, address: Path, checkpoint: Path, *extra: str) -> subprocess.CompletedProcess[str]:
