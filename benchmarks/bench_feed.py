@@ -89,7 +89,7 @@ class IndexImages(torch.utils.data.Dataset):
             self.decode = make_decoder("image", DecodeConfig(image=ImageDecodeConfig(**_IMAGE, draft=self.draft)))
         sample = self.index.sample(position)
         jpg = next(f for f in sample.fields if f.name == "jpg")
-        return self.decode(read_field(sample.shard, jpg), sample.key)
+        return torch.from_numpy(self.decode(read_field(sample.shard, jpg), sample.key))  # type: ignore[arg-type]
 
 
 def image_runs(index_path: str, samples: int, workers: int, batch_size: int) -> list[dict]:

@@ -65,6 +65,7 @@ from omnifeed.loader._cursor import PlanCursor
 from omnifeed.loader._feed import Feed, Taken
 from omnifeed.loader._service import FeedService
 from omnifeed.loader._service_config import ServiceConfig
+from omnifeed.loader._torch_batch import to_torch
 from omnifeed.tools._demo_data import encode_image
 from omnifeed.trainer_adapter import FeedClient
 
@@ -78,7 +79,7 @@ BATCHES_PER_EPOCH = 16  # of the largest batches: the plan computes an epoch's o
 def pictures(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """``n`` decoded image samples (feed format: ``{"image": uint8 [3, 224, 224]}``), distinct memory each."""
     block = np.random.default_rng(seed).integers(0, 256, (n, *PICTURE), dtype=np.uint8)
-    return [{"image": torch.from_numpy(block[i])} for i in range(n)]
+    return [{"image": block[i]} for i in range(n)]
 
 
 def write_index(work: Path, count: int) -> Path:
@@ -184,7 +185,7 @@ class SharedBatches(tud.Dataset):
             shared[array.ctypes.data] = tensor
             return array
 
-        batch = collate(self.samples, self.keys, dict(self.info, step=i), alloc)
+        batch = to_torch(collate(self.samples, self.keys, dict(self.info, step=i), alloc))
         return _as_shared(batch, shared)
 
 
@@ -266,7 +267,7 @@ def run_copies(samples: list[dict[str, Any]], repeats: int) -> dict[str, float]:
     The targets rotate over already-faulted buffers of 256 MB at least, as the service's
     segments do, so that the copy goes to memory, not to the cache.
     """
-    arrays = [s["image"].numpy() for s in samples]
+    arrays = [s["image"] for s in samples]
     source = np.stack(arrays)
     targets = [np.ones_like(source) for _ in range(max(2, math.ceil(256e6 / source.nbytes)))]
     seconds: dict[str, list[float]] = {"memcpy": [], "stack": []}
@@ -285,7 +286,7 @@ def run_copies(samples: list[dict[str, Any]], repeats: int) -> dict[str, float]:
 # -- the run ----------------------------------------------------------------------------------
 def compare(n: int, index: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     samples = pictures(n)  # the same pictures as the service's (same seed)
-    expected = int(samples[0]["image"].view(-1)[0])
+    expected = int(samples[0]["image"].reshape(-1)[0])
     service = ServiceProcess(index, str(work / "sock" / "feed.sock"), n)
     client = FeedClient(str(work / "sock" / "feed.sock"))
     try:

@@ -37,7 +37,10 @@ class CacheChain:
             except CacheError as exc:  # reads still work without it
                 log.warning("running without the RAM tier: %s", exc)
         if self.config.nvme is not None:
-            self.tiers["nvme"] = NvmeTier(self.config.nvme)
+            try:
+                self.tiers["nvme"] = NvmeTier(self.config.nvme)
+            except CacheError as exc:  # another user's directory, or one open to others: reads still work
+                log.warning("running without the NVMe tier: %s", exc)
         self.remote = RemoteTier(self.config.remote)
 
     def get(self, key: bytes, fetch: Callable[[], bytes]) -> bytes:

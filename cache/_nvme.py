@@ -10,13 +10,25 @@ atomic transactions (a process killed mid-write leaves the last committed state)
 environment is opened per process, lazily, so a tier object survives ``fork`` and pickling.
 A write that fails for lack of space (a full disk, a map that cannot grow) turns the tier
 into pass-through with one warning; entries already held are still served.
+
+The tier is the user's own or it is refused (`CacheError`; the chain then runs without it,
+as for the RAM tier): the directory (links resolved) and the files in it must belong to the
+user and not be writable by group or others; it is created 0700, the files 0600. Checksums
+are keyed with a per-cache secret (32 random bytes in ``secret``, 0600): the xxh3-64 of an
+entry is seeded by a keyed BLAKE2b of its key, so a writer without the secret cannot make an
+entry that passes. A cache without a secret (an older version's) gets one, and its entries
+are dropped (they are read again from the source).
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import logging
 import os
+import pwd
+import secrets
+import stat
 import struct
 import threading
 import time
@@ -30,6 +42,7 @@ import numpy as np
 import xxhash
 
 from ._config import NvmeTierConfig
+from ._errors import CacheError
 from ._sketch import SCAN_LIMIT, FrequencySketch, keeps_victim
 
 log = logging.getLogger(__name__)
@@ -39,13 +52,118 @@ _SKETCH_HEADER = 64
 _META = struct.Struct("<QQ")  # sequence number, accounted size
 _MAX_ENTRY_FRACTION = 0.125
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_SECRET_BYTES = 32
+_FILES = ("data.mdb", "lock.mdb", "sketch.bin", "secret")  # what the tier keeps in its directory
 
 _ENVIRONMENTS: dict[tuple[int, str], tuple[lmdb.Environment, int]] = {}
 _ENVIRONMENTS_LOCK = threading.Lock()
 
 
-def _checksum(key: bytes, value: bytes | memoryview) -> bytes:
-    return xxhash.xxh3_64_digest(value, seed=int.from_bytes(key[:8], "little"))
+def _checksum(secret: bytes, key: bytes, value: bytes | memoryview) -> bytes:
+    """The entry's 8-byte checksum: xxh3-64 of ``value``, seeded by the BLAKE2b of ``key`` keyed with ``secret``.
+
+    Fast on large values (a BLAKE2b of every value costs ~1 ms per MiB), and not computable
+    without the secret.
+    """
+    seed = hashlib.blake2b(key, key=secret, digest_size=8).digest()
+    return xxhash.xxh3_64_digest(value, seed=int.from_bytes(seed, "little"))
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def _refuse_foreign(path: Path, info: os.stat_result, closed: int) -> None:
+    """CacheError unless ``info`` (of ``path``) belongs to this user with none of the ``closed`` permission bits."""
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_uid != os.getuid() or mode & closed:
+        raise CacheError(f"{path} belongs to {_owner(info.st_uid)} with mode {mode:o}: another user could read or "
+                         "rewrite the cached samples; remove it, or point cache.nvme.path at a directory of your own "
+                         "(created 0700 when absent)")
+
+
+def _owned_directory(path: Path) -> Path:
+    """``path`` with links resolved: a directory of this user that only it can write, created 0700 when absent.
+
+    The files the tier keeps there must be regular files of this user that only it can write.
+    Raises CacheError (another user's, or open to others), OSError (cannot be created).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    root = Path(os.path.realpath(path))
+    info = os.lstat(root)
+    if not stat.S_ISDIR(info.st_mode):
+        raise CacheError(f"{path} is not a directory; point cache.nvme.path at a directory of your own")
+    _refuse_foreign(root, info, 0o022)
+    for name in _FILES:
+        try:
+            info = os.lstat(root / name)
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            raise CacheError(f"{root / name} is not a regular file (a link, say); remove it")
+        _refuse_foreign(root / name, info, 0o022)
+    return root
+
+
+def _cache_secret(root: Path) -> tuple[bytes, bool]:
+    """The tier's secret, made now (``root/secret``, 0600, published whole with a link) if absent; (secret, made)."""
+    path = root / "secret"
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            made = _make_secret(path)
+            if made is not None:
+                return made, True
+            continue  # another process published one first: use it
+        try:
+            _refuse_foreign(path, os.fstat(fd), 0o077)
+            secret = os.read(fd, _SECRET_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(secret) != _SECRET_BYTES:
+            raise CacheError(f"{path} is not a cache secret of {_SECRET_BYTES} bytes; remove it (the cached entries "
+                             "are then read again from the source)")
+        return secret, False
+
+
+def _make_secret(path: Path) -> bytes | None:
+    """Write a new secret and link it at ``path`` whole; None if another process linked one first.
+
+    An unnamed file (``O_TMPFILE``) when the file system has them, so a crash leaves nothing
+    behind; else a draft file beside it, removed after the link.
+    """
+    secret = secrets.token_bytes(_SECRET_BYTES)
+    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    draft: str | None = None
+    try:
+        try:
+            fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=folder)
+        except (OSError, AttributeError):  # no O_TMPFILE on this system or file system
+            draft = f".secret-{os.getpid()}-{secrets.token_hex(4)}"
+            fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                         dir_fd=folder)
+        try:
+            os.write(fd, secret)
+            os.fsync(fd)
+            # atomic: readers find no secret, or a whole one (a dir_fd makes this linkat, following /proc's link)
+            os.link(f"/proc/self/fd/{fd}" if draft is None else draft, path.name, src_dir_fd=folder, dst_dir_fd=folder)
+        except FileExistsError:
+            return None
+        finally:
+            os.close(fd)
+            if draft is not None:
+                os.unlink(draft, dir_fd=folder)
+    finally:
+        os.close(folder)
+    return secret
 
 
 class _Gate:
@@ -86,9 +204,17 @@ class _Gate:
 
 
 class NvmeTier:
-    """Byte-bounded LMDB cache of immutable entries keyed by 16-byte digests."""
+    """Byte-bounded LMDB cache of immutable entries keyed by 16-byte digests.
+
+    Raises CacheError when ``config.path`` or a file in it belongs to another user or is writable
+    by others (the message says what to do); other failures to open make it pass-through.
+    """
 
     def __init__(self, config: NvmeTierConfig) -> None:
+        self._setup(config)
+        self._open(strict=True)
+
+    def _setup(self, config: NvmeTierConfig) -> None:
         self.config = config
         self.path = Path(config.path)
         self.capacity = config.capacity_bytes
@@ -102,27 +228,50 @@ class NvmeTier:
         self._stats = {"hits": 0, "misses": 0, "bytes_hit": 0, "puts": 0, "bytes_put": 0, "rejected": 0,
                        "evicted": 0, "reinserted": 0, "too_large": 0, "corrupt": 0, "map_grown": 0}
         self._stats_lock = threading.Lock()
-        self._open()
+        self._root = self.path
+        self._secret = b""
 
     # -- lifecycle ---------------------------------------------------------------------------
 
-    def _open(self) -> None:
+    def _open(self, strict: bool = False) -> None:
+        """Open this process's handle; ``strict``: raise CacheError for a tier another user could reach."""
         self._pid = os.getpid()
+        self._env = None  # a parent's handle (after fork) is released by _environment
         try:
-            self.path.mkdir(mode=0o700, parents=True, exist_ok=True)  # cached samples are the user's data
+            self._root = _owned_directory(self.path)  # cached samples are the user's data
+            self._secret, made = _cache_secret(self._root)
             self._env = self._environment()
             self._data = self._env.open_db(b"data")
             self._queue = self._env.open_db(b"queue")
             self._meta = self._env.open_db(b"meta")
             self._info = self._env.open_db(b"info")
             self._open_sketch()
+            if made:
+                self._forget_unkeyed()
+        except CacheError as exc:
+            self.close()
+            if strict:
+                raise
+            self.degraded = f"refused: {exc}"
+            log.warning("NVMe tier %s is refused; running without it: %s", self.path, exc)
         except (OSError, lmdb.Error) as exc:
-            self._env = None
+            self.close()
             self._degrade(f"cannot open it: {exc}", "make nvme.path a writable local directory")
+
+    def _forget_unkeyed(self) -> None:
+        """Drop the entries of a cache that had no secret: their checksums cannot be trusted."""
+        with self._write_lock, self._txn(write=True) as txn:
+            _, _, count = self._totals(txn)
+            for db in (self._data, self._queue, self._meta):
+                txn.drop(db, delete=False)
+            txn.put(b"totals", struct.pack("<QQQ", 0, 0, 0), db=self._info)
+        if count:
+            log.warning("NVMe tier %s had no secret for its checksums: made one, and dropped its %d entries (they are "
+                        "read again from the source)", self.path, count)
 
     def _environment(self) -> lmdb.Environment:
         # One environment per process and path: LMDB must not open the same file twice in a process.
-        key = (os.getpid(), str(self.path.resolve()))
+        key = (os.getpid(), str(self._root))
         with _ENVIRONMENTS_LOCK:
             for inherited in [k for k in _ENVIRONMENTS if k[0] != key[0]]:
                 # opened by the parent before a fork: release the child's copy (py-lmdb only
@@ -131,13 +280,13 @@ class NvmeTier:
             env, users = _ENVIRONMENTS.get(key, (None, 0))
             if env is None:
                 initial = min(self.max_map, max(2 * self.capacity, 64 * 2**20))
-                env = lmdb.open(str(self.path), map_size=initial, max_dbs=4, max_readers=1024, readahead=False,
+                env = lmdb.open(str(self._root), map_size=initial, max_dbs=4, max_readers=1024, readahead=False,
                                 meminit=False, sync=False, metasync=False, mode=0o600)
             _ENVIRONMENTS[key] = (env, users + 1)
             return env
 
     def _open_sketch(self) -> None:
-        path = self.path / "sketch.bin"
+        path = self._root / "sketch.bin"
         width = FrequencySketch.width_for(self.capacity // _AVERAGE_ENTRY)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
@@ -172,7 +321,7 @@ class NvmeTier:
         env, self._env = self._env, None
         if env is None or self._pid != os.getpid():
             return
-        key = (self._pid, str(self.path.resolve()))
+        key = (self._pid, str(self._root))
         with _ENVIRONMENTS_LOCK:
             _, users = _ENVIRONMENTS.get(key, (env, 1))
             if users <= 1:
@@ -191,7 +340,8 @@ class NvmeTier:
         return {"config": self.config}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["config"])  # type: ignore[misc]
+        self._setup(state["config"])
+        self._open()  # another process: a tier refused there runs as pass-through, with a warning
 
     def _degrade(self, why: str, fix: str = "free space on that disk or raise nvme.max_map_bytes, then restart") -> None:
         if self.degraded is None:
@@ -243,7 +393,7 @@ class NvmeTier:
                     self._count("misses")
                     return None
                 value = bytes(raw[8:])
-                intact = _checksum(key, value) == bytes(raw[:8])
+                intact = _checksum(self._secret, key, value) == bytes(raw[:8])
         except lmdb.Error as exc:
             self._degrade(f"a read failed: {exc}")
             return None
@@ -327,7 +477,7 @@ class NvmeTier:
                 if not room:
                     counts["rejected"] += 1
                     continue
-                txn.put(key, _checksum(key, value) + value, db=self._data)
+                txn.put(key, _checksum(self._secret, key, value) + value, db=self._data)
                 txn.put(key, _META.pack(seq, size), db=self._meta)
                 txn.put(seq.to_bytes(8, "big"), key, db=self._queue)
                 seq, used, count, held = seq + 1, used + size, count + 1, held + 1

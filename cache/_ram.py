@@ -2,7 +2,7 @@
 
 Layout of the segment (all little-endian)::
 
-    header   4 KiB   magic, geometry, ring head/tail, occupancy, a dirty flag
+    header   4 KiB   magic, geometry, ring head/tail, occupancy, a dirty flag, time of last use
     slots    n x 32  open-addressing table: key (16 B), arena offset, length, in-use flag
     sketch   4 x w   frequency counters (admission)
     arena            a ring of entries: [key 16 B | length 4 B | pad 4 B | data], 8-byte aligned
@@ -26,15 +26,19 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._config import RamTierConfig
 from ._errors import CacheError
 from ._sketch import SCAN_LIMIT, FrequencySketch, keeps_victim
+
+if TYPE_CHECKING:
+    from ._ram_segments import RamSegment
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,8 @@ _AVERAGE_ENTRY = 4096  # sizing assumption for the slot table and the sketch
 
 # header fields (uint64 indices)
 (_H_MAGIC, _H_VERSION, _H_CAPACITY, _H_SLOTS, _H_WIDTH, _H_HEAD, _H_TAIL, _H_USED, _H_ENTRIES,
- _H_SKETCH_OPS, _H_DIRTY, _H_RESETS, _H_READY) = range(13)
+ _H_SKETCH_OPS, _H_DIRTY, _H_RESETS, _H_READY, _H_USED_AT) = range(14)  # _H_USED_AT: unix seconds of the last get/put
+SEGMENT_PREFIX = "omnifeed-ram-"
 
 
 def _align(n: int) -> int:
@@ -56,13 +61,15 @@ def _align(n: int) -> int:
 
 
 def _segment_name(name: str) -> str:
-    return f"omnifeed-ram-{name}"
+    return f"{SEGMENT_PREFIX}{name}"
+
+
+_SHM = Path("/dev/shm")
 
 
 def _segment_path(name: str) -> Path:
     """The segment's file: POSIX shared memory lives in /dev/shm on Linux (elsewhere: the temp directory)."""
-    root = Path("/dev/shm")
-    return (root if root.is_dir() else Path(tempfile.gettempdir())) / name
+    return (_SHM if _SHM.is_dir() else Path(tempfile.gettempdir())) / name
 
 
 def _attach(path: Path, size: int) -> tuple[mmap.mmap, bool]:
@@ -137,7 +144,11 @@ class RamTier:
                 log.warning("RAM tier %s exists with %d bytes of capacity, not the %d configured: using it as it is "
                             "(remove %s to resize it)", self.name, int(self._header[_H_CAPACITY]), arena, self.path)
             self._map()
+            self._header[_H_USED_AT] = int(time.time())
         self.capacity = int(self._header[_H_CAPACITY])
+        log.info("RAM tier: %s shared-memory segment %s (%d bytes, %d entries); it outlives this process on purpose, "
+                 "remove it with `omnifeed cache remove %s`", "created" if created else "attached to", self.path,
+                 self.capacity, int(self._header[_H_ENTRIES]), config.name)
         self._max_entry = int(self.capacity * config.max_entry_fraction)
         self._stats = {"hits": 0, "misses": 0, "bytes_hit": 0, "puts": 0, "bytes_put": 0, "rejected": 0,
                        "evicted": 0, "reinserted": 0, "too_large": 0}
@@ -189,6 +200,23 @@ class RamTier:
         path = _segment_path(_segment_name(name))
         for file in (path, path.with_name(path.name + ".lock")):
             file.unlink(missing_ok=True)
+
+    @staticmethod
+    def segments() -> list[RamSegment]:
+        """The RAM tier segments on this node (every user's), by name; a file merely named like one is left out.
+
+        Read without locking or mapping: the figures are a snapshot. `omnifeed cache list` prints them.
+        """
+        from ._ram_segments import list_segments
+
+        return list_segments()
+
+    @staticmethod
+    def segment(name: str) -> RamSegment | None:
+        """The segment called ``name`` (``RamTierConfig.name``); None when there is none, or the file is not one."""
+        from ._ram_segments import find_segment
+
+        return find_segment(name)
 
     @staticmethod
     def _release(segment: mmap.mmap, lock_fd: int) -> None:
@@ -305,6 +333,7 @@ class RamTier:
             if self._find(k0, k1) >= 0:
                 return True
             newcomer = self._sketch.estimate(key) - (1 if accessed else 0)
+            self._header[_H_USED_AT] = int(time.time())
             self._header[_H_DIRTY] = 1
             try:
                 at = self._make_room(size, newcomer)
@@ -335,6 +364,7 @@ class RamTier:
     def _count(self, key: bytes) -> None:
         self._sketch.increment(key)
         header = self._header
+        header[_H_USED_AT] = int(time.time())
         header[_H_SKETCH_OPS] += 1
         if header[_H_SKETCH_OPS] >= self._sketch.sample_size:
             header[_H_SKETCH_OPS] = 0

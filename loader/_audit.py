@@ -7,7 +7,11 @@ plan`` prints these records; the service's audit logs use the same shape.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
+import os
+import stat
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,6 +48,34 @@ def delivery_record(step: Step, rank: int, accum: int, mb: MicroBatch, keys: lis
     if mb.pack is not None:
         record["segments"] = [[s.start, s.stop] for s in mb.pack.segments]
     return record
+
+
+def open_audit_log(path: str | Path) -> IO[str]:
+    """``path`` opened to append records: created 0600, never through a link, refused if another user could write it.
+
+    ``O_NOFOLLOW``: a link planted at ``path`` is refused (it would make omnifeed append where the
+    link points); ``O_NONBLOCK`` at open: a FIFO planted there is refused rather than waited on.
+    An existing file must be a regular file of this user, not writable by group or others (another
+    user could read the delivered keys, or forge the records `omnifeed verify` trusts).
+    Raises OmnifeedError naming the file and what to do.
+    """
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP or os.path.islink(path) else exc.strerror
+        raise OmnifeedError(f"cannot open the audit log {path} ({why}); remove it or choose another audit_log "
+                            "path") from None
+    info = os.fstat(fd)
+    mode = stat.S_IMODE(info.st_mode)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or mode & 0o022:
+        os.close(fd)
+        what = ("is not a regular file" if not stat.S_ISREG(info.st_mode) else
+                f"belongs to uid {info.st_uid} with mode {mode:o}: another user could read or forge its records")
+        raise OmnifeedError(f"audit log {path} {what}; remove it, or choose an audit_log path of your own "
+                            "(it is created 0600)")
+    fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    return os.fdopen(fd, "a", encoding="utf-8")
 
 
 def read_delivery_logs(paths: Iterable[str | Path], stdin: IO[str] | None = None) -> Iterator[dict[str, Any]]:

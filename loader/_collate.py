@@ -1,4 +1,4 @@
-"""The batch format: one micro-batch of decoded samples as padded per-modality tensors.
+"""The batch format: one micro-batch of decoded samples as padded per-modality arrays.
 
 A batch is a dict:
 
@@ -17,6 +17,10 @@ not be read or decoded and was replaced by a batch-mate (see ``_healing``).
 
 A modality no sample of the micro-batch has is absent from the dict; rows exist only for
 samples that have the modality, and ``index`` says whose they are.
+
+`collate` builds the batch as numpy arrays (the feed engine and the service never import
+torch); the trainer side hands it out with every array as a torch tensor sharing its memory
+(`Feed` through ``_torch_batch.to_torch``, `FeedClient` from the segment), same dtypes and shapes.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 Decoded = dict[str, Any]  # modality -> decoded value; "meta" -> {field name: bytes}
 Allocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
@@ -36,47 +39,46 @@ def _private(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     return np.empty(shape, dtype=dtype)
 
 
-def _pad_stack(tensors: Sequence[torch.Tensor], alloc: Allocator = _private) -> torch.Tensor:
-    """Stack tensors of equal rank, zero-padding every dimension to the largest, into an array from ``alloc``.
+def _pad_stack(arrays: Sequence[np.ndarray], alloc: Allocator = _private) -> np.ndarray:
+    """Stack arrays of equal rank, zero-padding every dimension to the largest, into an array from ``alloc``.
 
-    The copies go through numpy: torch would run them on its intra-op thread pool, whose
-    spinning threads take the cores the decode workers are using (measured: a fifth of the
-    feed's CPU time).
+    The copies are numpy's, in the calling thread: torch would run them on its intra-op thread
+    pool, whose spinning threads take the cores the decode workers are using (measured: a
+    fifth of the feed's CPU time).
     """
-    arrays = [t.numpy() for t in tensors]
     shape = tuple(max(a.shape[d] for a in arrays) for d in range(arrays[0].ndim))
     out = alloc((len(arrays), *shape), arrays[0].dtype)
     if all(a.shape == shape for a in arrays):
         np.stack(arrays, out=out)
-        return torch.from_numpy(out)
+        return out
     out.fill(0)
     for row, array in enumerate(arrays):
         out[(row,) + tuple(slice(0, s) for s in array.shape)] = array
-    return torch.from_numpy(out)
+    return out
 
 
-def _int64(values: list[Any], alloc: Allocator) -> torch.Tensor:
+def _int64(values: list[Any], alloc: Allocator) -> np.ndarray:
     source = np.asarray(values, dtype=np.int64)
     out = alloc(source.shape, source.dtype)
     out[...] = source
-    return torch.from_numpy(out)
+    return out
 
 
-def _media(tensors: list[torch.Tensor], slots: list[int], name: str, length_dim: int | None,
+def _media(arrays: list[np.ndarray], slots: list[int], name: str, length_dim: int | None,
            alloc: Allocator) -> dict[str, Any]:
-    """One media modality: padded tensors, lengths along ``length_dim`` (time) if any, frame sizes, rows."""
-    field: dict[str, Any] = {name: _pad_stack(tensors, alloc)}
+    """One media modality: padded arrays, lengths along ``length_dim`` (time) if any, frame sizes, rows."""
+    field: dict[str, Any] = {name: _pad_stack(arrays, alloc)}
     if length_dim is not None:
-        field["lengths"] = _int64([t.shape[length_dim] for t in tensors], alloc)
+        field["lengths"] = _int64([a.shape[length_dim] for a in arrays], alloc)
     if name != "samples":  # images and video frames: (height, width) of each row before padding
-        field["sizes"] = _int64([list(t.shape[-2:]) for t in tensors], alloc).reshape(len(tensors), 2)
+        field["sizes"] = _int64([list(a.shape[-2:]) for a in arrays], alloc).reshape(len(arrays), 2)
     field["index"] = _int64(slots, alloc)
     return field
 
 
 def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any],
             alloc: Allocator = _private) -> dict[str, Any]:
-    """One micro-batch of decoded samples in the documented batch format (tensor storage from ``alloc``)."""
+    """One micro-batch of decoded samples (numpy values) in the documented batch format, as numpy arrays from ``alloc``."""
     batch: dict[str, Any] = {"__key__": list(keys), "__info__": info}
     rows: dict[str, list[int]] = {}
     for slot, sample in enumerate(samples):
@@ -86,9 +88,9 @@ def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any
         slots = rows["text"]
         tokens = [samples[i]["text"][1] for i in slots]
         batch["text"] = {
-            "tokens": _pad_stack(tokens, alloc) if any(t.numel() for t in tokens)
-            else torch.from_numpy(alloc((len(slots), 0), np.dtype(np.int64))),
-            "lengths": _int64([t.numel() for t in tokens], alloc),
+            "tokens": _pad_stack(tokens, alloc) if any(t.size for t in tokens)
+            else alloc((len(slots), 0), np.dtype(np.int64)),
+            "lengths": _int64([t.size for t in tokens], alloc),
             "strings": [samples[i]["text"][0] for i in slots],
             "index": _int64(slots, alloc),
         }
@@ -102,7 +104,7 @@ def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any
 
 
 def uncollate(batch: dict[str, Any], copy: bool = True) -> list[Decoded]:
-    """The decoded samples of a collated batch (collate's inverse, padding removed): copies, or views of it."""
+    """The decoded samples of a collated numpy batch (collate's inverse, padding removed): copies, or views of it."""
     n = len(batch["__key__"])
     samples: list[Decoded] = [{} for _ in range(n)]
     if "text" in batch:
@@ -110,7 +112,7 @@ def uncollate(batch: dict[str, Any], copy: bool = True) -> list[Decoded]:
         for row, slot in enumerate(text["index"].tolist()):
             length = int(text["lengths"][row])
             tokens = text["tokens"][row, :length]
-            samples[slot]["text"] = (text["strings"][row], torch.from_numpy(tokens.numpy().copy()) if copy else tokens)
+            samples[slot]["text"] = (text["strings"][row], tokens.copy() if copy else tokens)
     for modality, name in (("image", "pixels"), ("video", "frames"), ("audio", "samples")):
         if modality not in batch:
             continue
@@ -124,8 +126,7 @@ def uncollate(batch: dict[str, Any], copy: bool = True) -> list[Decoded]:
             if "sizes" in field:
                 height, width = field["sizes"][row].tolist()
                 value = value[..., :height, :width]
-            # numpy copies: torch's clone runs on its intra-op pool, which fights the decode threads (see _pad_stack)
-            samples[slot][modality] = torch.from_numpy(np.ascontiguousarray(value.numpy())) if copy else value
+            samples[slot][modality] = np.ascontiguousarray(value) if copy else value
     for name, values in batch.get("meta", {}).items():
         for slot, value in enumerate(values):
             if value is not None:

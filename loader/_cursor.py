@@ -16,7 +16,7 @@ windows after it, changed by memory feedback; ``null`` for fixed-size batches).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,10 @@ _STATE_KEYS = frozenset(
      "step", "epoch", "window", "window_start", "offset", "micro_batch", "budget", "next_budget"}
 )
 _COUNTERS = ("topology_version", "step", "epoch", "window", "window_start", "offset", "micro_batch", "world_size", "grad_accum")
+
+
+class DealingStopped(Exception):
+    """`PlanCursor.next_step` was told to stop in the middle of dealing a step."""
 
 
 @dataclass(frozen=True)
@@ -73,9 +77,27 @@ class PlanCursor:
         """True once every micro-batch of ``epoch`` has been dealt."""
         return self.epoch > epoch
 
-    def next_step(self) -> Step:
-        """Deal the next step at the current topology and advance past it."""
-        dealt = tuple(self._next_micro_batch() for _ in range(self.world_size * self.grad_accum))
+    def next_step(self, stop: Callable[[], bool] | None = None) -> Step:
+        """Deal the next step at the current topology and advance past it.
+
+        ``stop`` is asked before each micro-batch is dealt (a step of a large world deals many):
+        when it returns True, dealing is abandoned with `DealingStopped` and the cursor is left
+        where it was before the step.
+        """
+        count = self.world_size * self.grad_accum
+        if stop is None:
+            dealt = tuple(self._next_micro_batch() for _ in range(count))
+        else:
+            saved = (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
+                     self.next_budget, self._current)
+            dealing = []
+            for _ in range(count):
+                if stop():
+                    (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
+                     self.next_budget, self._current) = saved
+                    raise DealingStopped(f"dealing step {self.step} was stopped")
+                dealing.append(self._next_micro_batch())
+            dealt = tuple(dealing)
         step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, dealt)
         self.step += 1
         return step
@@ -191,3 +213,18 @@ class PlanCursor:
         self._current = None
         if (state["world_size"], state["grad_accum"]) != (self.world_size, self.grad_accum):
             self.topology_version += 1
+
+
+def steps_left_in_epoch(plan: Plan, state: Mapping[str, Any]) -> int:
+    """Steps dealt from ``state`` (at its own topology) until its epoch is delivered.
+
+    Plans the rest of the epoch window by window (O(samples left), nothing decoded or read):
+    the number of micro-batches a cost budget makes is known only by planning them.
+    """
+    cursor = PlanCursor(plan, world_size=int(state["world_size"]), grad_accum=int(state["grad_accum"]))
+    cursor.load_state_dict(state)
+    epoch, steps = cursor.epoch, 0
+    while not cursor.epoch_delivered(epoch):
+        cursor.next_step()
+        steps += 1
+    return steps

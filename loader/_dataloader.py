@@ -98,6 +98,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._elastic = _elastic_sampler(dataset, torch_args, world_size, rank, shuffle_seed)
             torch_args.update(batch_size=1, shuffle=None, sampler=None, batch_sampler=self._elastic, drop_last=False)
         super().__init__(dataset, pin_memory=pin_memory, pin_memory_device=pin_memory_device, **torch_args)  # type: ignore[arg-type]
+        object.__setattr__(self, "_checked_workers", self.num_workers)  # torch's constructor warned about this count
         if self._elastic is not None:  # torch clears these when given a batch sampler; report what was asked
             object.__setattr__(self, "batch_size", batch_size)
             object.__setattr__(self, "drop_last", drop_last)
@@ -161,7 +162,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if self.num_workers == 0:
             iterator = SingleProcessIterator(self, resume)
         else:
-            self.check_worker_number_rationality()
+            if self.num_workers != getattr(self, "_checked_workers", None):  # warn once per count, not per epoch
+                self.check_worker_number_rationality()
+                object.__setattr__(self, "_checked_workers", self.num_workers)
             iterator = WorkerPoolIterator(self, resume)
         self._progress = iterator.progress
         self._live = weakref.ref(iterator)

@@ -1,11 +1,14 @@
 """The decoder registry: ``make_decoder(modality, config)`` → a picklable ``(bytes, key) -> value``.
 
+Values are numpy arrays (the engine and the service never import torch; the trainer side
+turns batches into tensors):
+
 | modality | value | module |
 |---|---|---|
 | image | uint8 [3, H, W] RGB | `_decode_image` (Pillow), `_decode_dali` (optional) |
 | video | uint8 [T, 3, H, W] RGB | `_decode_video` (PyAV) |
 | audio | float32 [channels, samples] in [-1, 1] | `_decode_av` (PyAV) |
-| text | (str, int64 token ids) | `_decode_text` |
+| text | (str, int64 [tokens] ids) | `_decode_text` |
 | meta | the bytes unchanged | — |
 
 Bad input raises `DecodeError` with ``reason`` in `REASONS`. ``image.backend='dali'`` uses

@@ -24,7 +24,6 @@ from typing import Any
 
 import av
 import numpy as np
-import torch
 
 from ._decode_common import DecodeError
 from ._decode_config import AudioDecodeConfig
@@ -139,7 +138,7 @@ def _decode_stream(container: Any, config: AudioDecodeConfig, key: str) -> np.nd
     return np.clip(out, -1.0, 1.0, out=out)
 
 
-def decode_audio(data: bytes, config: AudioDecodeConfig, key: str = "?") -> torch.Tensor:
+def decode_audio(data: bytes, config: AudioDecodeConfig, key: str = "?") -> np.ndarray:
     """Decode an audio file into float32 [channels, samples] in [-1, 1] at ``config.sample_rate`` Hz.
 
     Raises DecodeError ('empty', 'truncated', 'corrupt', 'too_long', 'unsupported') on bad
@@ -148,7 +147,7 @@ def decode_audio(data: bytes, config: AudioDecodeConfig, key: str = "?") -> torc
     container = open_container(data, key, "audio")
     try:
         with container:
-            return torch.from_numpy(_decode_stream(container, config, key))
+            return _decode_stream(container, config, key)
     except DecodeError:
         raise
     except Exception as exc:

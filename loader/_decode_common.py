@@ -1,8 +1,10 @@
-"""What every decoder shares: `DecodeError` and its reasons, and the resize arithmetic."""
+"""What every decoder shares: `DecodeError` and its reasons, the resize arithmetic, and numpy outputs."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import numpy as np
 
 from ._errors import OmnifeedError
 
@@ -35,6 +37,27 @@ class DecodeError(OmnifeedError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.detail, self.key, self.modality, self.reason), dict(self.__dict__))
+
+
+def is_torch_tensor(value: Any) -> bool:
+    """Whether ``value`` is a torch tensor, told without importing torch (the engine never does)."""
+    return type(value).__module__.startswith("torch") and hasattr(value, "detach")
+
+
+def as_numpy(value: Any) -> Any:
+    """A decoder's output with torch tensors as numpy arrays (a user's decoder may return tensors).
+
+    Tensors are detached and moved to the CPU (``.detach().cpu().numpy()``: no copy for a CPU
+    tensor); tuples are converted item by item; arrays, str, bytes and anything else are
+    returned as they are.
+    """
+    if isinstance(value, np.ndarray):
+        return value
+    if is_torch_tensor(value):
+        return value.detach().cpu().numpy()
+    if isinstance(value, tuple):
+        return tuple(as_numpy(v) for v in value)
+    return value
 
 
 def resized_size(width: int, height: int, resize: str, size: int, max_size: int) -> tuple[int, int]:

@@ -20,7 +20,6 @@ import threading
 from typing import Any
 
 import numpy as np
-import torch
 from nvidia.dali import fn, pipeline_def, types  # ImportError without DALI: see the registry
 from PIL import Image
 
@@ -71,7 +70,7 @@ class DaliImageDecoder:
             pipeline = self._local.pipeline = _build(self.config.resample)
         return pipeline
 
-    def __call__(self, data: bytes, key: str = "?") -> torch.Tensor:
+    def __call__(self, data: bytes, key: str = "?") -> np.ndarray:
         """Decode one image; raises DecodeError on bad input (as `decode_image`)."""
         if not data:
             raise DecodeError("the field is zero bytes long", key, "image", "empty")

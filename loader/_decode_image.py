@@ -24,7 +24,6 @@ import io
 import logging
 
 import numpy as np
-import torch
 from PIL import Image
 
 from ._decode_common import DecodeError, center_square, resized_size
@@ -112,15 +111,15 @@ def _decode(data: bytes, config: ImageDecodeConfig, key: str) -> np.ndarray:
         return np.asarray(pixels)
 
 
-def hwc_to_chw(array: np.ndarray) -> torch.Tensor:
-    """A contiguous uint8 [C, H, W] tensor from an [H, W, C] array (one strided copy)."""
-    out = torch.empty((array.shape[2], array.shape[0], array.shape[1]), dtype=torch.uint8)
-    out.numpy()[...] = array.transpose(2, 0, 1)
+def hwc_to_chw(array: np.ndarray) -> np.ndarray:
+    """A contiguous uint8 [C, H, W] array from an [H, W, C] array (one strided copy)."""
+    out = np.empty((array.shape[2], array.shape[0], array.shape[1]), dtype=np.uint8)
+    out[...] = array.transpose(2, 0, 1)
     return out
 
 
-def decode_image(data: bytes, config: ImageDecodeConfig, key: str = "?") -> torch.Tensor:
-    """Decode an encoded image into a uint8 [3, H, W] RGB tensor resized by ``config``.
+def decode_image(data: bytes, config: ImageDecodeConfig, key: str = "?") -> np.ndarray:
+    """Decode an encoded image into a uint8 [3, H, W] RGB array resized by ``config``.
 
     Raises DecodeError (reason 'empty', 'truncated', 'corrupt', 'bomb' or 'unsupported') on
     bad input; MemoryError and KeyboardInterrupt propagate.

@@ -32,7 +32,6 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
-import torch
 from av.video.reformatter import VideoReformatter
 
 from ._decode_av import av_error, no_stream_error, open_container, out_of_memory
@@ -144,7 +143,7 @@ def _decode_chosen(packets: list[Any], wanted: list[int], decoder: _Decoder) -> 
             return
 
 
-def _decode_clip(container: Any, size: int, config: VideoDecodeConfig, key: str) -> torch.Tensor:
+def _decode_clip(container: Any, size: int, config: VideoDecodeConfig, key: str) -> np.ndarray:
     if not container.streams.video:
         raise no_stream_error(container, key, "video")
     stream = container.streams.video[0]
@@ -195,16 +194,15 @@ def _decode_clip(container: Any, size: int, config: VideoDecodeConfig, key: str)
     if not decoder.frames:
         raise DecodeError("no frame could be decoded", key, "video", "corrupt")
     arrays = [decoder.frames[slot] for slot in sorted(decoder.frames)]
-    out = torch.empty((len(arrays), 3, out_h, out_w), dtype=torch.uint8)
-    view = out.numpy()
+    out = np.empty((len(arrays), 3, out_h, out_w), dtype=np.uint8)
     for i, array in enumerate(arrays):
-        view[i] = array.transpose(2, 0, 1)
+        out[i] = array.transpose(2, 0, 1)
     logger.debug("video %s: %d of %d packets' frames decoded, %d kept", key, decoder.decoded, len(packets), len(arrays))
     return out
 
 
-def decode_video(data: bytes, config: VideoDecodeConfig, key: str = "?") -> torch.Tensor:
-    """Decode a video's sampled frames into a uint8 [T, 3, H, W] RGB tensor, resized by ``config``.
+def decode_video(data: bytes, config: VideoDecodeConfig, key: str = "?") -> np.ndarray:
+    """Decode a video's sampled frames into a uint8 [T, 3, H, W] RGB array, resized by ``config``.
 
     Raises DecodeError ('empty', 'truncated', 'corrupt', 'bomb', 'too_long', 'unsupported')
     on bad input; MemoryError and KeyboardInterrupt propagate.

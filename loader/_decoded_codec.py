@@ -1,9 +1,12 @@
-"""Decoded values as cache entries: tensors, strings, bytes and tuples of them, in a plain binary layout.
+"""Decoded values as cache entries: arrays, strings, bytes and tuples of them, in a plain binary layout.
 
 Never pickle: a cache directory is shared between jobs, and unpickling what another
 process wrote would run its code. The layout is ``OFD1``, then one value::
 
-    tensor  b"T" dtype-name-length (u8) dtype-name ndim (u8) shape (u64 x ndim) data
+    array   b"T" dtype-name-length (u8) dtype-name ndim (u8) shape (u64 x ndim) data
+
+Arrays come back as numpy arrays; a torch tensor (a user's decoder may return one) is stored
+as its numpy array, told apart without importing torch.
     str     b"S" length (u64) utf-8
     bytes   b"B" length (u64) data
     tuple   b"U" count (u8) values
@@ -15,7 +18,8 @@ import struct
 from typing import Any
 
 import numpy as np
-import torch
+
+from ._decode_common import as_numpy, is_torch_tensor
 
 _MAGIC = b"OFD1"
 _U64 = struct.Struct("<Q")
@@ -33,8 +37,10 @@ def encode_decoded(value: Any) -> bytes:
 
 
 def _encode(value: Any, parts: list[bytes]) -> None:
-    if isinstance(value, torch.Tensor):
-        array = value.detach().cpu().contiguous().numpy()
+    if isinstance(value, np.ndarray) or is_torch_tensor(value):
+        array = np.ascontiguousarray(as_numpy(value))
+        if array.dtype.hasobject:
+            raise TypeError("cannot cache an array of Python objects")
         name = array.dtype.str.encode()
         parts += [b"T", bytes([len(name)]), name, bytes([array.ndim]), *(_U64.pack(n) for n in array.shape), array.tobytes()]
     elif isinstance(value, str):
@@ -79,9 +85,9 @@ def _decode(view: memoryview, at: int) -> tuple[Any, int]:
         count = int(np.prod(shape, dtype=np.int64)) if shape else 1
         nbytes = count * dtype.itemsize
         if at + nbytes > len(view):
-            raise ValueError("tensor data cut short")
+            raise ValueError("array data cut short")
         array = np.frombuffer(view, dtype=dtype, count=count, offset=at).reshape(shape).copy()
-        return torch.from_numpy(array), at + nbytes
+        return array, at + nbytes
     if tag in (b"S", b"B"):
         length = _U64.unpack_from(view, at)[0]
         at += 8

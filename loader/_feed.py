@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from ._audit import delivery_record
+from ._audit import delivery_record, open_audit_log
 from ._collate import Decoded, collate
-from ._cursor import PlanCursor
+from ._cursor import PlanCursor, steps_left_in_epoch
 from ._decode import make_decoder
 from ._feed_config import FeedConfig
 from ._feed_metrics import FeedMetrics
@@ -79,6 +79,7 @@ class Feed:
         self.config = config or FeedConfig()
         self.plan = Plan.from_index(self.index, self.config.plan)
         self._check_rank(world_size, rank)
+        self._audit: IO[str] | None = open_audit_log(audit_log) if audit_log else None
         self.world_size, self.rank, self.grad_accum = world_size, rank, grad_accum
         self._position = PlanCursor(self.plan, world_size=world_size, grad_accum=grad_accum).state_dict()
         self._accum_done = 0
@@ -91,7 +92,6 @@ class Feed:
         self._shared_pools: DecodePools | None = None
         self._handover: Handover | None = None
         self._owns_reader = True
-        self._audit: IO[str] | None = open(audit_log, "a", encoding="utf-8") if audit_log else None  # noqa: SIM115
         self._finalizer = weakref.finalize(self, _close_resources, [None], self._reader, self._audit)
         self._closed = False
 
@@ -124,15 +124,29 @@ class Feed:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return _EpochIterator(self)
 
+    def __len__(self) -> int:
+        """Micro-batches this rank receives in the epoch in progress from here (what ``iter(feed)`` yields).
+
+        At an epoch's start, the whole epoch's share. Plans the rest of the epoch (no data read).
+        """
+        return steps_left_in_epoch(self.plan, self._position) * self.grad_accum - self._accum_done
+
     @property
     def epoch(self) -> int:
         """Epoch of the next micro-batch this feed will deliver."""
         return int(self._position["epoch"])
 
     def next_batch(self) -> dict[str, Any]:
-        """The next batch of this rank (crossing epochs freely)."""
+        """The next batch of this rank (crossing epochs freely), its arrays as torch tensors.
+
+        The engine collates in numpy; torch is imported here, on the first batch a trainer
+        takes, and each array becomes a tensor sharing its memory (``torch.from_numpy``).
+        """
+        from ._torch_batch import to_torch
+
         taken = self._take()
-        return collate(taken.samples, taken.keys, taken.info)
+        batch: dict[str, Any] = to_torch(collate(taken.samples, taken.keys, taken.info))
+        return batch
 
     def _take(self) -> Taken:
         """The next micro-batch's decoded samples, info and delivery record; the position moves past it."""

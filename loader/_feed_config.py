@@ -8,7 +8,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..cache import CacheConfig
-from ._config import PlanConfig, load_yaml
+from ._config import PlanConfig, load_yaml, validated
+from ._config_paths import FEED_PATHS, resolve_paths
 from ._decode_config import DecodeConfig
 
 FEED_MODALITIES = ("text", "image", "video", "audio", "meta")
@@ -95,4 +96,4 @@ class FeedConfig(BaseModel):
         """Load a feed config from YAML: top-level ``plan``, ``decode``, ``pools``, ... (see docs/config.md)."""
         data: dict[str, Any] = load_yaml(path)
         data.pop("index", None)  # the same file may configure `omnifeed index`
-        return cls(**data)
+        return validated(cls, resolve_paths(data, Path(path), FEED_PATHS), source=path)

@@ -28,10 +28,11 @@ from multiprocessing import get_context
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
+import numpy as np
 
-from ._cursor import PlanCursor, Step
+from ._cursor import DealingStopped, PlanCursor, Step
 from ._decode import DecodeError
+from ._decode_common import as_numpy
 from ._errors import SourceError
 from ._feed_config import FeedConfig
 from ._feed_metrics import FeedMetrics
@@ -40,7 +41,7 @@ from ._index import IndexedSample, SampleIndex
 from ._plan import MicroBatch, Plan
 from ._pools import DecodePools, PoolOwner
 from ._records import FieldLocation
-from ._fetch import Decoder, decode_in_process, from_process
+from ._fetch import Decoder, decode_in_process
 from ._worker_procs import WorkerDied, WorkerProcesses
 from ..cache import is_local
 from ._field_source import FieldSource, Loaded
@@ -88,9 +89,9 @@ def fields_to_decode(sample: IndexedSample) -> list[tuple[str, FieldLocation]]:
 
 
 def tensor_bytes(value: Any) -> int:
-    """Bytes held by a decoded value (tensors, (text, tokens) pairs, raw bytes)."""
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+    """Bytes held by a decoded value (arrays, (text, tokens) pairs, raw bytes)."""
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
     if isinstance(value, tuple):
         return sum(tensor_bytes(v) for v in value)
     if isinstance(value, (bytes, str)):
@@ -128,9 +129,10 @@ class FieldReader:
     def _decode(self, sample: IndexedSample, location: FieldLocation, data: bytes) -> Any:
         executor = self._executors.get(location.modality)
         if executor is not None:
-            return from_process(executor.run(decode_in_process, location.modality, data, sample.key, self.config.decode))
+            return executor.run(decode_in_process, location.modality, data, sample.key, self.config.decode)
         decoder = self.decoders.get(location.modality)
-        return data if decoder is None else decoder(data, sample.key)
+        # numpy values only past this point: a user's decoder may return torch tensors
+        return data if decoder is None else as_numpy(decoder(data, sample.key))
 
     def fill(self, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None = None) -> int:
         """Decode one field into ``slot`` (loading it now unless ``loading`` did); a failure is recorded on the slot.
@@ -232,7 +234,10 @@ class Pipeline:
                 if self._stopping.is_set():
                     return
                 before = self.cursor.state_dict()
-                step = self.cursor.next_step()
+                try:  # a step of a large world deals many micro-batches: close() must not wait for all of them
+                    step = self.cursor.next_step(self._stopping.is_set)
+                except DealingStopped:
+                    return
                 after = self.cursor.state_dict()
                 for accum, micro_batch in enumerate(step.for_rank(self.rank)):
                     if self._skip:

@@ -13,10 +13,14 @@ Stages, each with one job:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import multiprocessing
 import os
+import re
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -76,11 +80,15 @@ def build_index(
     """Scan ``sources`` and write the index to ``out``; shards that fail are reported and left out.
 
     With ``config.workers > 1`` shards are scanned in worker processes (multiprocessing
-    ``forkserver``), so a script calling this needs the usual ``if __name__ == "__main__":``
-    guard. ``scanner`` replaces those processes (``_index_ray`` scans on a Ray cluster); the
-    index written is the same whatever order it yields shards in. Raises ``SourceError`` when
-    no sample at all could be indexed.
+    ``forkserver``) that do not import the caller's script, so a script calling this at its
+    top level, without an ``if __name__ == "__main__":`` guard, works. ``scanner`` replaces those processes (``_index_ray`` scans on a Ray cluster);
+    the index written is the same whatever order it yields shards in.
+
+    ``out`` is replaced only when it is absent, empty, or holds an omnifeed index and nothing
+    else; otherwise ``OmnifeedError`` before anything is scanned. Only omnifeed's own files
+    are ever deleted. Raises ``SourceError`` when no sample at all could be indexed.
     """
+    _exit_if_a_worker_is_importing_the_script()
     config = config or IndexConfig()
     out = Path(out)
     errors: list[dict[str, str]] = []
@@ -91,15 +99,13 @@ def build_index(
         except SourceError as exc:
             errors.append({"source": spec, "error": str(exc)})
     if not shards:
-        raise SourceError("no shards to index: " + "; ".join(e["error"] for e in errors) if errors else "no sources given")
-    _refuse_to_clobber(out)
+        raise SourceError("; ".join(e["error"] for e in errors) if errors else "no sources given")
+    _index_files_to_replace(out)  # refuse before scanning, not after
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
     try:
         report = _build_into(work, shards, config, errors, progress, scanner or _scan_all)
-        if out.exists():
-            shutil.rmtree(out)
-        work.rename(out)
+        _replace(out, work)
         report.path = out
         return report
     finally:
@@ -152,17 +158,67 @@ def _scan_all(shards: list[ShardSpec], config: IndexConfig) -> Iterator[ScanResu
         yield from map(scan_job, jobs)
         return
     # forkserver: workers fork from a clean server that imported the scanner once (no threads
-    # inherited from this process, unlike fork; no per-worker imports, unlike spawn)
+    # inherited from this process, unlike fork; no per-worker imports, unlike spawn). Each
+    # worker still imports the caller's main script, as with spawn (multiprocessing's rule).
     context = get_context("forkserver")
     context.set_forkserver_preload([__name__])
+    workers: list[Any] = []
     try:
         with ProcessPoolExecutor(max_workers=min(config.workers, len(shards)), mp_context=context) as pool:
-            yield from pool.map(scan_job, jobs)
+            with _main_script_not_reimported():
+                results = pool.map(scan_job, jobs)  # submits every job, so the workers exist now
+            workers = list((getattr(pool, "_processes", None) or {}).values())
+            yield from results
     except BrokenProcessPool as exc:
+        if any(worker.exitcode == _SCRIPT_REIMPORT_EXIT for worker in workers):
+            raise OmnifeedError(
+                "build_index was called while a scan worker imported your script: put the call under "
+                "`if __name__ == '__main__':`") from None
         raise OmnifeedError(
             "a scan worker process died (killed, out of memory, or crashed in a decoder); "
             "re-run with --workers 1 to see which shard, and check the machine's memory"
         ) from exc
+
+
+@contextlib.contextmanager
+def _main_script_not_reimported() -> Iterator[None]:
+    """Worker processes started inside do not import the caller's main script.
+
+    multiprocessing's spawn and forkserver make every worker import ``__main__`` from its file
+    (for functions defined there); a scan worker needs nothing from it, and a script calling
+    `build_index` at its top level (a README snippet pasted into a file) would run again in each
+    worker. The main module's ``__file__``/``__spec__``, which tell multiprocessing where it is,
+    are hidden while the workers start.
+    """
+    main = sys.modules.get("__main__")
+    saved: dict[str, Any] = {name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)
+
+
+_SCRIPT_REIMPORT_EXIT = 87
+"""Exit status of a scan worker that found ``build_index`` called while it imported the main script."""
+
+
+def _exit_if_a_worker_is_importing_the_script() -> None:
+    """In a worker process importing the main script (multiprocessing's spawn and forkserver
+    do, before running any task), end the worker at once with ``_SCRIPT_REIMPORT_EXIT``.
+
+    The call comes from an unguarded script: going on would start a build in every worker,
+    and raising would print a traceback per worker before its pool breaks. The parent's
+    pool sees the status and raises the one-line error that says what to do.
+    """
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.stderr.flush()
+        os._exit(_SCRIPT_REIMPORT_EXIT)
 
 
 def scan_job(job: tuple[int, ShardSpec, IndexConfig]) -> ScanResult:
@@ -341,9 +397,58 @@ def _length_stats(lengths: pa.Table) -> dict[str, dict[str, float]]:
     return stats
 
 
-def _refuse_to_clobber(out: Path) -> None:
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / MANIFEST).is_file())):
-        raise OmnifeedError(f"{out}: exists and is not an omnifeed index; choose another --out or remove it")
+_OWN_FILE = re.compile(r"part-\d{5,}\.(parquet|arrow|arrow\.tmp)")  # partitions, and an Arrow copy being re-made
+_OWN_NAMES = {MANIFEST, SHARDS, BY_SHARD}
+
+
+def _index_files_to_replace(out: Path) -> list[str]:
+    """The entries of ``out`` that replacing it deletes: none when absent or empty, an omnifeed
+    index's own files when it holds one and nothing else; OmnifeedError (one line) otherwise."""
+    what_to_do = f"choose another --out, or remove {out} yourself"
+    if out.is_symlink():
+        raise OmnifeedError(f"{out}: a symbolic link; omnifeed writes an index only to a real path: {what_to_do}")
+    if not out.exists():
+        return []
+    if not out.is_dir():
+        raise OmnifeedError(f"{out}: exists and is not a folder; {what_to_do}")
+    names = sorted(entry.name for entry in out.iterdir())
+    if not names:
+        return []
+    foreign = [name for name in names if not (
+        (name in _OWN_NAMES or _OWN_FILE.fullmatch(name)) and (out / name).is_file() and not (out / name).is_symlink())]
+    if MANIFEST not in names or not _is_omnifeed_manifest(out / MANIFEST):
+        raise OmnifeedError(f"{out}: not empty and not an omnifeed index (no omnifeed manifest.json); omnifeed "
+                            f"replaces only an empty folder or an index it wrote: {what_to_do}")
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise OmnifeedError(f"{out}: holds an omnifeed index and files omnifeed did not write ({shown}), which it "
+                            f"will not delete: move them away, {what_to_do}")
+    return names
+
+
+def _is_omnifeed_manifest(path: Path) -> bool:
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and str(manifest.get("format", "")).startswith(INDEX_FORMAT.split("/")[0] + "/")
+
+
+def _replace(out: Path, work: Path) -> None:
+    """Move the finished index ``work`` to ``out``, deleting only the old index's own files."""
+    old = _index_files_to_replace(out)  # again: the folder may have changed while the sources were scanned
+    if not out.exists():
+        work.rename(out)
+        return
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+    os.replace(out, aside)  # onto the empty folder just made: out never holds a mix of two indexes
+    work.rename(out)
+    for name in old:
+        (aside / name).unlink(missing_ok=True)
+    try:
+        aside.rmdir()
+    except OSError:  # something was written into out while it was checked: left where it is now
+        log.warning("%s: files appeared in the old index while it was replaced; they are kept in %s", out, aside)
 
 
 def default_workers() -> int:

@@ -21,6 +21,11 @@ handed to a client, before it is sent, once per data-parallel rank.
 Faults: a malformed, oversized or unknown message gets an error reply and that connection
 closes; the service and other clients go on. A client that dies releases its batches (its
 segments are reused); segments are ``memfd`` files, so nothing outlives the processes.
+
+Bounds (docs/service.md): a hello's step (data-parallel size × accumulation) and peer group are
+checked against the plan and the config before anything is planned; streams and connections
+are at most ``max_clients``; a peer group is what its attached clients declare, so it shrinks
+when they leave; idle and half-sent connections time out.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import itertools
 import json
 import logging
 import os
+import select
 import socket
 import stat
 import threading
@@ -40,8 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import msgpack
+
+from ._audit import open_audit_log
 from ._decode import make_decoder
 from ._errors import OmnifeedError, StateMismatchError
+from ._cursor import steps_left_in_epoch
 from ._feed import feed_state
 from ._feed_metrics import FeedMetrics
 from ._feed_pipeline import FieldReader
@@ -51,7 +61,7 @@ from ._plan import MicroBatch, Plan
 from ._pools import DecodePools
 from ._service_config import ServiceConfig
 from ._service_stream import Ready, RequestError, Stream
-from ._wire import MAX_REQUEST_BYTES, PROTOCOL, ProtocolError, receive, send
+from ._wire import MAX_REQUEST_BYTES, PROTOCOL, ProtocolError, decode, encode, receive, send
 
 log = logging.getLogger("omnifeed.service")
 
@@ -71,6 +81,7 @@ class _Connection:
     token: str = ""  # the client's own id, the same across its reconnections
     attempt: str | None = None  # the attempt its deliveries belong to (see FeedService._attempt_of)
     said_bye: bool = False
+    timed_out: bool = False  # closed by the service for idling: not a client that crashed
 
 
 class FeedService:
@@ -78,8 +89,14 @@ class FeedService:
 
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
+        self._audit: IO[str] | None = open_audit_log(config.audit_log) if config.audit_log else None
         self.index = SampleIndex(config.index)
         self.plan = Plan.from_index(self.index, config.feed.plan)
+        per_epoch, epoch_words = _epoch_micro_batches(self.plan)
+        cap = config.max_micro_batches_per_step
+        self._max_step = min(cap, per_epoch)  # micro-batches a hello's step may deal: its cost, time and memory
+        self._max_step_why = (f"max_micro_batches_per_step is {cap} in the service config" if cap <= per_epoch
+                              else f"an epoch of {config.index} deals {epoch_words}")
         self.feed_metrics = FeedMetrics()
         decoders = {m: make_decoder(m, config.feed.decode) for m in ("text", "image", "video", "audio")}
         self.reader = FieldReader(config.feed, decoders, self.feed_metrics, self.index.fingerprint)
@@ -93,10 +110,10 @@ class FeedService:
         self.instance = uuid.uuid4().hex  # clients tell services apart by it (batch numbers are per instance)
         self._audit_lock = threading.Lock()
         self._attempts: dict[str, tuple[str, bool]] = {}  # checkpoint digest -> (its latest attempt, crashed)
-        self._audit: IO[str] | None = open(config.audit_log, "a", encoding="utf-8") if config.audit_log else None  # noqa: SIM115
         self._stopping = threading.Event()
         self._started = time.monotonic()
         self._listener: socket.socket | None = None
+        self._bound: tuple[int, int] | None = None  # (device, inode) of the socket file start() bound
         self._threads: list[threading.Thread] = []
         self._metrics_server: Any = None
         self.metrics_port: int | None = None
@@ -130,6 +147,8 @@ class FeedService:
         finally:
             os.umask(old_umask)
         listener.listen(64)
+        bound = os.lstat(path)
+        self._bound = (bound.st_dev, bound.st_ino)  # stop() removes this socket file, never what replaced it
         self._listener = listener
         if self.config.metrics_port is not None:
             from ._service_metrics import start_metrics_server
@@ -178,10 +197,7 @@ class FeedService:
             if self._audit is not None:
                 self._audit.close()
                 self._audit = None
-        try:
-            Path(self.config.socket).unlink()
-        except FileNotFoundError:
-            pass
+        _remove_own_socket(Path(self.config.socket), self._bound)
 
     def __enter__(self) -> FeedService:
         self.start()
@@ -221,15 +237,29 @@ class FeedService:
     # -- one connection --------------------------------------------------------------------
     def _serve(self, connection: _Connection) -> None:
         sock = connection.sock
+        idle, frame = self.config.idle_timeout_s, self.config.frame_timeout_s
+        waiting, first = frame, True  # a new connection says what it wants at once (hello, metrics); then it may pause
         try:
+            sock.settimeout(frame)  # a request begun must arrive whole, a reply be taken, within frame_timeout_s
             while not self._stopping.is_set():
+                if not _readable(sock, waiting):
+                    connection.timed_out = True
+                    what = "sent no request" if first else "was idle"
+                    _refuse(sock, "idle", f"the connection {what} for {waiting:g} s (idle_timeout_s / frame_timeout_s "
+                                          "in the service config); connect again to go on")
+                    return
                 try:
                     message, _ = receive(sock, MAX_REQUEST_BYTES)
+                except TimeoutError:
+                    connection.timed_out = True
+                    _refuse(sock, "idle", f"a request was not sent whole within {frame:g} s (frame_timeout_s)")
+                    return
                 except (EOFError, ConnectionError):
                     return
                 except ProtocolError as exc:  # the byte stream may be out of step: answer and hang up
                     _refuse(sock, "protocol", str(exc))
                     return
+                waiting, first = idle, False
                 try:
                     if not self._handle(connection, message):
                         return
@@ -255,6 +285,9 @@ class FeedService:
         if op == "next":
             self._next(connection, message)
             return True
+        if op == "length":
+            send(connection.sock, {"op": "length", "micro_batches": self._length(message)})
+            return True
         if op == "bye":
             connection.said_bye = True
             self._release(connection.token, message.get("release", []))
@@ -262,6 +295,21 @@ class FeedService:
             send(connection.sock, {"op": "bye"})
             return False
         raise RequestError("protocol", f"unknown request {op!r}")
+
+    def _length(self, message: dict[str, Any]) -> int:
+        """Micro-batches a data-parallel rank at ``state`` receives until its epoch is delivered (``len(FeedClient)``)."""
+        dp_world = _int(message, "dp_world_size", 1, _MAX_WORLD)
+        accum = _int(message, "grad_accum", 1, _MAX_GRAD_ACCUM)
+        if dp_world * accum > self._max_step:
+            raise RequestError("topology", f"a step of {dp_world * accum} micro-batches is more than this service deals "
+                               f"({self._max_step})")
+        try:
+            state = feed_state(self.plan, message.get("state"), world_size=dp_world, grad_accum=accum)
+        except StateMismatchError as exc:
+            raise RequestError("fingerprint", str(exc)) from None
+        except (ValueError, TypeError, KeyError, FeedError) as exc:
+            raise RequestError("state", f"the client's state is not usable here: {exc}") from None
+        return steps_left_in_epoch(self.plan, state["plan"]) * accum - int(state["accum_done"])
 
     def _hello(self, connection: _Connection, message: dict[str, Any]) -> dict[str, Any]:
         protocol = message.get("protocol")
@@ -281,12 +329,28 @@ class FeedService:
         if world % dp_world or rank >= world:
             raise RequestError("topology", f"world size {world} (rank {rank}) is not a multiple of the data-parallel "
                                f"size {dp_world}")
+        group = world // dp_world
+        if group > self.config.max_clients:
+            raise RequestError("topology", f"world size {world} at data-parallel size {dp_world} makes groups of {group} "
+                               f"peers that share a stream, but this service serves {self.config.max_clients} "
+                               "connections at most (max_clients in the service config)")
+        if dp_world * accum > self._max_step:
+            raise RequestError("topology", f"a step at data-parallel size {dp_world} with grad_accum {accum} deals "
+                               f"{dp_world * accum} micro-batches, but this service deals at most {self._max_step} "
+                               f"per step ({self._max_step_why}); lower the data-parallel size or the accumulation")
         try:
             state = feed_state(self.plan, message.get("state"), world_size=dp_world, grad_accum=accum)
         except StateMismatchError as exc:
             raise RequestError("fingerprint", str(exc)) from None
         except (ValueError, TypeError, KeyError, FeedError) as exc:
             raise RequestError("state", f"the client's state is not usable here: {exc}") from None
+        token = message.get("token", f"connection-{connection.id}")
+        if not isinstance(token, str) or not 0 < len(token) <= 64:
+            raise RequestError("protocol", "hello field 'token' must be a string of 1 to 64 characters")
+        for name in ("resume", "attempt"):
+            value = message.get(name)
+            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 64):
+                raise RequestError("protocol", f"hello field {name!r} must be a string of 1 to 64 characters")
         key = (dp_world, dp_rank, accum)
         with self._changing:  # a topology change: the old streams hand over before any new stream plans ahead
             with self._lock:
@@ -304,24 +368,21 @@ class FeedService:
             self._retire(retiring)
             with self._lock:
                 stream = self._streams.get(key)
+                evicted = None
                 if stream is None or stream.closed:
-                    stream = self._streams[key] = Stream(self, key, world // dp_world, state)
+                    if len(self._streams) >= self.config.max_clients:  # streams are bounded as connections are
+                        evicted = self._evict_idle_stream()
+                    stream = self._streams[key] = Stream(self, key, group, state)
                     stream.resize_started = self._change_started
-        token = message.get("token", f"connection-{connection.id}")
-        if not isinstance(token, str) or not 0 < len(token) <= 64:
-            raise RequestError("protocol", "hello field 'token' must be a string of 1 to 64 characters")
-        connection.token = token
-        for name in ("resume", "attempt"):
-            value = message.get(name)
-            if value is not None and (not isinstance(value, str) or not 0 < len(value) <= 64):
-                raise RequestError("protocol", f"hello field {name!r} must be a string of 1 to 64 characters")
+            if evicted is not None:
+                threading.Thread(target=evicted.close, name="omnifeed-evict", daemon=True).start()
         resume = message.get("resume")
         if resume is None and message.get("state") is None:
             resume = "start"  # a job starting from scratch: as if it loaded the plan's first position
+        connection.token = token
         since = self._attempt_of(connection, message.get("attempt"), resume, state)
         with stream.cond:
-            stream.group = max(stream.group, world // dp_world)
-            stream.attach(connection.id, token, rank, state, since)
+            stream.attach(connection.id, token, rank, state, since, group)
         connection.stream = stream
         return {"op": "welcome", "protocol": PROTOCOL, "client": connection.id, "service": self.instance, "state": state,
                 "index_fingerprint": self.plan.index_fingerprint, "config_fingerprint": self.plan.config_fingerprint,
@@ -340,13 +401,18 @@ class FeedService:
         if segment.slot < 0 or name not in connection.known:
             fds = [segment.fd]
             connection.known.add(name)
+        frame = ready.frame
+        gone = {known for known in connection.known if known[0] >= 0} - stream.live()
+        if gone:  # segments the stream gave up (its peer group shrank): the client lets go of its mappings
+            connection.known -= gone
+            frame = _forgetting(frame, gone)
         sock = connection.sock
         if fds:
-            sent = sock.sendmsg([ready.frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_array(fds))])
-            if sent < len(ready.frame):
-                sock.sendall(memoryview(ready.frame)[sent:])
+            sent = sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _fd_array(fds))])
+            if sent < len(frame):
+                sock.sendall(memoryview(frame)[sent:])
         else:
-            sock.sendall(ready.frame)
+            sock.sendall(frame)
 
     def _leave_stream(self, connection: _Connection) -> None:
         stream, connection.stream = connection.stream, None
@@ -392,6 +458,14 @@ class FeedService:
         stale = [k for k, s in self._streams.items()
                  if (k[0], k[2]) != self._topology and not s.clients and self._topology is not None]
         return [self._streams.pop(k) for k in stale]
+
+    def _evict_idle_stream(self) -> Stream:
+        """Make room for a new stream (holding the service lock): the client-less stream idle longest, removed."""
+        idle = [(s.idle_since, k) for k, s in self._streams.items() if s.idle_since is not None and not s.clients]
+        if not idle:
+            raise RequestError("busy", f"the service keeps {self.config.max_clients} streams at most (max_clients) "
+                               "and every one has a client")
+        return self._streams.pop(min(idle)[1])
 
     def _retire(self, streams: list[Stream]) -> None:
         """Keep the decoded samples of their untaken batches for whichever new stream deals them; close them."""
@@ -479,7 +553,7 @@ class FeedService:
 
     def _left(self, connection: _Connection) -> None:
         """A client of an attempt left without a goodbye: that attempt is over (the next load starts another)."""
-        if connection.attempt is None or connection.said_bye:
+        if connection.attempt is None or connection.said_bye or connection.timed_out:
             return
         with self._audit_lock:
             for checkpoint, (attempt, _) in list(self._attempts.items()):
@@ -531,6 +605,30 @@ def _int(message: Mapping[str, Any], name: str, low: int, high: int) -> int:
     return value
 
 
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether ``sock`` has bytes (or an end, or an error) to read within ``timeout`` seconds."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLPRI | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(max(0, int(timeout * 1000))))
+
+
+def _epoch_micro_batches(plan: Plan) -> tuple[int, str]:
+    """The most micro-batches an epoch of ``plan`` deals, and in words."""
+    n = plan.num_samples
+    if plan.bucketing is None:
+        batch = plan.config.batch_size
+        count = -(-(n - plan.dropped_per_epoch) // batch)
+        return count, f"{count} micro-batches ({n} samples in batches of {batch})"
+    return n, f"at most {n} micro-batches (one per sample)"
+
+
+def _forgetting(frame: bytes, gone: set[tuple[int, int]]) -> bytes:
+    """A batch frame that also names segments the client may unmap (``forget``: ``[slot, generation]`` pairs)."""
+    message = decode(frame[4:], msgpack.ExtType)  # tensor references stay as they are
+    message["forget"] = [list(name) for name in sorted(gone)]
+    return encode(message)
+
+
 def _fd_array(fds: list[int]) -> bytes:
     import array
 
@@ -549,22 +647,41 @@ def _refuse(sock: socket.socket, code: str, message: str) -> None:
 
 
 def _private_directory(path: Path) -> None:
-    """Create ``path`` with mode 0700, or check that it is this user's and closed to others."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = path.stat()
+    """Create ``path`` with mode 0700 (atomically), or check that it is this user's real directory, closed to others.
+
+    ``lstat``, never ``stat``: a link at ``path`` is refused wherever it points (another user
+    could re-point it after the check). A directory that already exists is never chmod-ed.
+    """
+    from ._wire import describe_uid
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(path)
+    mode = stat.S_IMODE(info.st_mode)
+    choose = ("choose a socket path in a private directory of your own (omnifeed serve --socket, or `socket:` in the "
+              "config; the default $TMPDIR/omnifeed-$UID is created 0700)")
+    if stat.S_ISLNK(info.st_mode):
+        raise OmnifeedError(f"socket directory {path} is a symbolic link (to {os.readlink(path)}, owned by "
+                            f"{describe_uid(info.st_uid)}); {choose}")
+    if not stat.S_ISDIR(info.st_mode):
+        raise OmnifeedError(f"socket directory {path} is not a directory; {choose}")
     if info.st_uid != os.getuid():
-        raise OmnifeedError(f"socket directory {path} belongs to uid {info.st_uid}, not to this user "
-                            f"({os.getuid()}); choose a directory of your own for the socket")
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        raise OmnifeedError(f"socket directory {path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}); "
-                            f"run `chmod 700 {path}` or choose another directory")
+        raise OmnifeedError(f"socket directory {path} belongs to {describe_uid(info.st_uid)}, not to this user "
+                            f"({describe_uid(os.getuid())}): that user could replace the socket; {choose}")
+    if mode & 0o077:
+        raise OmnifeedError(f"socket directory {path} is open to other users (mode {mode:o}); {choose}")
 
 
 def _reap_stale_socket(path: Path) -> None:
-    """Remove a socket left by a crashed service; refuse to start beside a live one."""
-    if not path.exists() and not path.is_symlink():
+    """Remove a socket left by a crashed service; refuse to start beside a live one (never follows a link)."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
         return
-    if not stat.S_ISSOCK(path.lstat().st_mode):
+    if not stat.S_ISSOCK(info.st_mode):
         raise OmnifeedError(f"{path} exists and is not a socket; remove it or choose another socket path")
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -576,3 +693,15 @@ def _reap_stale_socket(path: Path) -> None:
     finally:
         probe.close()
     raise OmnifeedError(f"an omnifeed service is already listening at {path}; stop it or choose another socket")
+
+
+def _remove_own_socket(path: Path, bound: tuple[int, int] | None) -> None:
+    """Unlink the socket this service bound at ``path``; a refused start, or a file put there since, is left alone."""
+    if bound is None:
+        return
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (found.st_dev, found.st_ino) == bound:
+        path.unlink()

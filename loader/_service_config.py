@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ._config import load_yaml
+from ._config import load_yaml, validated
+from ._config_paths import SERVICE_PATHS, resolve_paths
 from ._feed_config import FeedConfig
 
 
@@ -23,7 +23,8 @@ class ServiceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    index: str = Field(description="The index directory (`omnifeed index`); relative to the YAML file's folder.")
+    index: str = Field(description="The index directory (`omnifeed index`); a relative path in YAML is relative to "
+                       "the YAML file's folder, as every path of the file is.")
     feed: FeedConfig = Field(default_factory=FeedConfig, description="The feed engine: plan, decoding, pools, cache.")
     socket: str = Field(
         default_factory=default_socket,
@@ -43,13 +44,17 @@ class ServiceConfig(BaseModel):
         default=30.0, ge=0, description="A stream without clients keeps its prefetched batches this long, then closes."
     )
     max_clients: int = Field(default=256, ge=1, description="Connections served at once; more are refused.")
+    idle_timeout_s: float = Field(
+        default=300.0, gt=0, description="A connection that sends no request for this long is closed (error `idle`; "
+        "a FeedClient reconnects where it was).")
+    frame_timeout_s: float = Field(
+        default=10.0, gt=0, description="A new connection must send its first request within this, and a request "
+        "once begun must arrive whole within this (and a reply be taken); else the connection is closed.")
+    max_micro_batches_per_step: int = Field(
+        default=65536, ge=1, description="A hello whose data-parallel size × gradient accumulation (the micro-batches "
+        "a step deals) is larger is refused (error `topology`), as is one larger than an epoch of the plan.")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServiceConfig:
         """Load from YAML: ``index``, ``feed`` (a feed config), ``socket``, ``metrics_port``, ... (docs/config.md)."""
-        data: dict[str, Any] = load_yaml(path)
-        folder = Path(path).resolve().parent
-        for name in ("index", "audit_log"):
-            if isinstance(data.get(name), str) and "://" not in data[name]:
-                data[name] = str(folder / data[name])
-        return cls(**data)
+        return validated(cls, resolve_paths(load_yaml(path), Path(path), SERVICE_PATHS), source=path)

@@ -21,7 +21,7 @@ from ._collate import collate, uncollate
 from ._cursor import PlanCursor
 from ._errors import OmnifeedError
 from ._feed import Feed
-from ._service_arena import Segment, SegmentWriter, encode_batch, grown_size, tensor_decoder
+from ._service_arena import Segment, SegmentWriter, array_decoder, encode_batch, grown_size
 from ._wire import decode, encode
 
 if TYPE_CHECKING:
@@ -71,6 +71,7 @@ class _Attached:
     rank: int
     position: dict[str, Any]
     since: str | None = None  # the attempt its deliveries belong to (they are tagged with it)
+    group: int = 1  # the peer group it says it belongs to (world size / data-parallel size)
     batches: int = 0
     waited_s: float = 0.0
     last_wait_s: float = 0.0
@@ -95,8 +96,9 @@ class Stream:
         self.error: BaseException | None = None
         self.closed = False
         self.idle_since: float | None = time.monotonic()
-        self._slots: list[Segment] = []
+        self._slots: list[Segment | None] = []  # None: a slot given up when the peer group shrank
         self._free: list[Segment] = []
+        self._next_generation: dict[int, int] = {}  # of slots given up: a new segment there is never mistaken for the old
         self._segment_size = 0  # for new and reused segments: grown_size of the largest batch so far
         self.one_offs = 0  # batches sent in one-off segments because clients held every slot
         self._prefetch = service.config.prefetch_batches
@@ -110,6 +112,27 @@ class Stream:
     def _room(self) -> bool:
         untaken = sum(1 for b in self.ready if not b.takers)
         return untaken < self._prefetch and self._waiting() < self._prefetch + 2 * self.group
+
+    def _slot_limit(self) -> int:
+        return self._prefetch + 2 * self.group + 2
+
+    def _regroup(self) -> None:
+        """The peer group is the largest any attached client declares: it shrinks when clients leave; then free
+        segments beyond what the smaller group needs are closed (holding the lock)."""
+        if self.clients:
+            self.group = max(c.group for c in self.clients.values())
+        self._trim()
+
+    def _trim(self) -> None:
+        limit = self._slot_limit()
+        for segment in [s for s in self._free if s.slot >= limit]:
+            self._free.remove(segment)
+            if 0 <= segment.slot < len(self._slots) and self._slots[segment.slot] is segment:
+                self._slots[segment.slot] = None
+                self._next_generation[segment.slot] = segment.generation + 1
+            segment.close()
+        while self._slots and self._slots[-1] is None:
+            self._slots.pop()
 
     def _produce(self) -> None:
         try:
@@ -159,9 +182,14 @@ class Stream:
             self._slots[segment.slot] = grown
             segment.close()
             return grown
-        if len(self._slots) < self._prefetch + 2 * self.group + 2:
-            segment = Segment(len(self._slots), 0, self._segment_size)
-            self._slots.append(segment)
+        limit = self._slot_limit()
+        slot = next((i for i, s in enumerate(self._slots[:limit]) if s is None), None)
+        if slot is None and len(self._slots) < limit:
+            slot = len(self._slots)
+            self._slots.append(None)
+        if slot is not None:
+            segment = Segment(slot, self._next_generation.pop(slot, 0), self._segment_size)
+            self._slots[slot] = segment
             return segment
         self.one_offs += 1
         return Segment(-1, 0, self._segment_size)  # clients hold every slot: a one-off
@@ -201,8 +229,10 @@ class Stream:
             return True
         return _order(state) > _order(self.head)
 
-    def attach(self, client: int, token: str, rank: int, state: dict[str, Any], since: str | None) -> None:
-        """Serve ``client`` from ``state``; restart production there when this stream is past it (holding the lock)."""
+    def attach(self, client: int, token: str, rank: int, state: dict[str, Any], since: str | None,
+               group: int = 1) -> None:
+        """Serve ``client`` (of a peer group of ``group``) from ``state``; restart production there when this stream is
+        past it (holding the lock)."""
         if not self.servable(state):
             later = [c for c in self.clients.values() if _order(c.position) < _order(state)]
             if later:
@@ -210,7 +240,8 @@ class Stream:
                                    "position that does not lead to yours; tensor-parallel peers must resume from "
                                    "the same checkpoint")
             self.restart_to = state
-        self.clients[client] = _Attached(client, token, rank, state, since)
+        self.clients[client] = _Attached(client, token, rank, state, since, group=group)
+        self._regroup()
         self.idle_since = None
         self.cond.notify_all()
 
@@ -224,6 +255,7 @@ class Stream:
             attached = self.clients.pop(client, None)
             if attached is None:
                 return
+            self._regroup()  # a peer that declared a larger group than the others have left: batches need not wait for it
             for ready in self.ready:
                 if attached.token in ready.holders:
                     ready.holders.discard(attached.token)
@@ -301,10 +333,12 @@ class Stream:
         mine = 0 <= segment.slot < len(self._slots) and self._slots[segment.slot] is segment
         if mine and not ready.abandoned:
             self._free.append(segment)
+            self._trim()
             return
-        if mine:  # the slot gets a fresh segment when next needed
-            self._slots[segment.slot] = Segment(segment.slot, segment.generation + 1, segment.size)
-            self._free.append(self._slots[segment.slot])
+        if mine:  # a departed client may read it: the slot gets a fresh segment (a new generation) when next needed
+            self._slots[segment.slot] = None
+            self._next_generation[segment.slot] = segment.generation + 1
+            self._trim()
         segment.close()
 
     def harvest(self) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
@@ -315,7 +349,7 @@ class Stream:
             base = ready.segment.base
             if ready.takers or ready.record.get("replaced") or base is None:
                 continue
-            batch = decode(ready.frame[4:], tensor_decoder(lambda slot, generation: base))["batch"]
+            batch = decode(ready.frame[4:], array_decoder(lambda slot, generation: base))["batch"]
             harvested.append((ready.record, uncollate(batch, copy=False)))
             ready.abandoned = True
         return harvested
@@ -323,7 +357,13 @@ class Stream:
     def segments(self) -> tuple[int, int]:
         """Segments this stream keeps and their bytes."""
         with self.cond:
-            return len(self._slots), sum(s.size for s in self._slots)
+            kept = [s for s in self._slots if s is not None]
+            return len(kept), sum(s.size for s in kept)
+
+    def live(self) -> set[tuple[int, int]]:
+        """(slot, generation) of the segments this stream keeps (holding the lock or not)."""
+        with self.cond:
+            return {(s.slot, s.generation) for s in self._slots if s is not None}
 
     def close(self) -> None:
         """Stop the producer, the feed and free every segment (idempotent)."""
@@ -336,7 +376,8 @@ class Stream:
         self._thread.join(timeout=30)
         with self.cond:
             for segment in self._slots:
-                segment.close()
+                if segment is not None:
+                    segment.close()
             self._slots.clear()
             self._free.clear()
             self.ready.clear()

@@ -9,7 +9,10 @@ Three kinds of shard, all named by fsspec URL (or local path) (scanned by ``_sca
   column is a field named by its lower-cased column name; null cells are absent fields.
 - ``folder``: files grouped by key as in a tar, relative path up to the first dot of the
   basename; hidden files and folders (name starting with '.') are skipped; a file whose real
-  path leaves the folder (a symbolic link to outside it) is refused (docs/security.md §4).
+  path leaves the folder (a symbolic link to outside it), a linked folder and a link loop are
+  refused; FIFOs, sockets and devices are skipped, never opened (docs/security.md §4). Local
+  folder files are opened by ``open_beneath``: one component at a time with ``O_NOFOLLOW``
+  relative to the folder's descriptor, so a link swapped in cannot lead outside the folder.
 
 A Parquet cell's field bytes are the value itself for binary columns, UTF-8 for string
 columns and JSON text for any other type (numbers, lists, structs). Errors that mean the
@@ -19,11 +22,13 @@ to do; connection errors and timeouts propagate (with a note) so that callers ca
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
 import posixpath
 import re
+import stat
 import tarfile
 from collections.abc import Sequence
 from typing import Any
@@ -73,11 +78,28 @@ def _missing(fs: Any, paths: list[str]) -> set[str]:
     return {p for p in paths if p not in listed and not fs.exists(p)}
 
 
+def _missing_error(spec: str, urls: list[str], missing: list[str]) -> SourceError:
+    """One line for the paths of a spec that do not exist: which (the first few) and how many do."""
+    if len(urls) == 1:
+        return SourceError(f"{spec}: {missing[0]} does not exist", url=spec)
+    total, absent = len(urls), len(missing)
+    if absent == total:
+        return SourceError(f"{spec}: none of the {total} paths it names exists (the first is {missing[0]}); "
+                           "check the folder and the range", url=spec)
+    folders = {posixpath.dirname(m) for m in missing}
+    names = [posixpath.basename(m) for m in missing] if len(folders) == 1 else list(missing)
+    shown = ", ".join(names[:5]) + (f" and {absent - 5} more" if absent > 5 else "")
+    verb = "does" if absent == 1 else "do"
+    return SourceError(f"{spec}: {absent} of the {total} paths it names {verb} not exist ({shown}); "
+                       f"{total - absent} exist: create the missing ones or narrow the range", url=spec)
+
+
 def _glob(spec: str, url: str, fs: Any, pattern: str) -> dict[str, SourceKind]:
     """Sorted matches of a glob that are shards; other files are skipped with a warning."""
     matches = fs.glob(pattern, detail=True)
     if not matches:
-        raise SourceError(f"{spec}: the pattern {url} matches nothing", url=spec)
+        raise SourceError(f"{spec}: no file or folder matches the pattern {url}; check the folder and the pattern",
+                          url=spec)
     found: dict[str, SourceKind] = {}
     for match, info in sorted(matches.items()):
         kind = _kind_by_name(match, spec) or ("folder" if info.get("type") == "directory" else None)
@@ -103,14 +125,16 @@ def _resolve(spec: str, urls: list[str]) -> list[ShardSpec]:
         if not is_glob and _kind_by_name(path, spec) is not None:
             by_fs.setdefault(id(fs), (fs, []))[1].append(path)
     missing = {(id(fs), p) for fs, paths in by_fs.values() for p in _missing(fs, paths)}
+    absent = [url for url, _, _, fs, path, is_glob in parsed if not is_glob and (
+        (id(fs), path) in missing if _kind_by_name(path, spec) is not None else not fs.exists(path))]
+    if absent:  # all of them at once: a range with holes says which and how many exist
+        raise _missing_error(spec, [url for url, *_, is_glob in parsed if not is_glob], absent)
     shards: list[ShardSpec] = []
     for url, prefix, explicit, fs, path, is_glob in parsed:
         if is_glob:
             found = _glob(spec, url, fs, path)
         else:
             kind = _kind_by_name(path, spec) or ("folder" if fs.isdir(path) else None)
-            if (id(fs), path) in missing or (kind is None and not fs.exists(path)):
-                raise SourceError(f"{spec}: {url} does not exist", url=spec)
             if kind is None:
                 raise SourceError(f"{spec}: {url} is neither a .tar, a .parquet/.pq file nor a folder", url=spec)
             found = {path: kind}
@@ -125,7 +149,8 @@ def expand_sources(specs: Sequence[str]) -> list[ShardSpec]:
     (and ``::`` chain) prefix; glob matches are sorted. Braces expand as in WebDataset (its
     ``expand_urls`` is ``braceexpand`` plus ``WDS_*`` environment substitution, which omnifeed
     leaves out: no environment variables change what is read). Raises SourceError naming the
-    spec for a missing path, a pattern matching nothing or a compressed tar.
+    spec for a missing path (for a brace list with holes: the first missing ones and how many
+    exist), a pattern matching nothing or a compressed tar.
     """
     if isinstance(specs, str):
         raise TypeError("expand_sources takes a list of URLs, not one string")
@@ -149,9 +174,120 @@ def link_outside(fs: Any, root: str, relative: str) -> str | None:
     """Where a folder's file really is, when a symbolic link takes it outside ``root`` (local files); else None."""
     if not isinstance(fs, LocalFileSystem):
         return None  # object stores and HTTP have no links
-    real_root = os.path.realpath(root)
     real = os.path.realpath(os.path.join(root, relative))
-    return None if real == real_root or real.startswith(real_root.rstrip(os.sep) + os.sep) else real
+    return None if inside_root(os.path.realpath(root), real) else real
+
+
+def inside_root(real_root: str, path: str) -> bool:
+    """Whether the real path ``path`` is ``real_root`` or below it."""
+    return path == real_root or path.startswith(real_root.rstrip(os.sep) + os.sep)
+
+
+OPENAT = os.open in os.supports_dir_fd and os.readlink in os.supports_dir_fd and hasattr(os, "O_NOFOLLOW")
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: opening a FIFO for reading would wait for a writer; the file type is checked once opened
+_FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+_MAX_LINKS = 40  # as the kernel's own limit for one path
+_FIX_LINK = "copy the file into the folder or remove the link, then re-run `omnifeed index`"
+
+
+def file_type(mode: int) -> str:
+    """What a file that is not a regular one is, in words."""
+    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link")):
+        if test(mode):
+            return name
+    return "regular file" if stat.S_ISREG(mode) else "special file"
+
+
+def open_beneath(root: str, relative: str, where: str, url: str) -> int:
+    """A read-only descriptor of the regular file ``relative`` under the local folder ``root``.
+
+    The path is walked one component at a time, each opened with ``O_NOFOLLOW`` relative to
+    the descriptor of the folder above it; a symbolic link met on the way is resolved here,
+    and only while it stays inside ``root`` (``..`` never climbs above it). A link swapped in
+    by a concurrent writer is therefore seen as a link, never followed by the kernel: no
+    outside file can be opened, whatever happens to the folder meanwhile. FIFOs, sockets and
+    devices are opened without blocking and refused. Raises SourceError (prefixed ``where``)
+    for a link leading outside, a link loop or a file that is not regular; OSError otherwise.
+    """
+    stack = [os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))]
+    names: list[str] = []  # the folders walked below root (real ones: links are never opened)
+    pending = relative.split("/")
+    pending.reverse()  # a stack: the next component last
+    links = 0
+    real_root = ""
+    try:
+        while pending:
+            part = pending.pop()
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if len(stack) == 1:
+                    raise SourceError(f"{where}: the path leads above the folder; {_FIX_LINK}", url=url)
+                os.close(stack.pop())
+                names.pop()
+                continue
+            last = all(p in ("", ".") for p in pending)
+            try:
+                fd = os.open(part, _FILE_FLAGS if last else _DIR_FLAGS, dir_fd=stack[-1])
+            except OSError as exc:
+                links += 1
+                if links > _MAX_LINKS:
+                    raise SourceError(f"{where}: a symbolic link loop (more than {_MAX_LINKS} links); remove or fix "
+                                      "the link, then re-run `omnifeed index`", url=url) from None
+                try:
+                    os.readlink(part, dir_fd=stack[-1])
+                except OSError as not_link:
+                    if not_link.errno == errno.EINVAL and exc.errno in (errno.ELOOP, errno.EMLINK):
+                        pending.append(part)  # a link when opened, not now (swapped back): open it again
+                        continue
+                    raise exc from None
+                # A link: where the kernel would resolve it, as a name only; that name is walked again
+                # from the root, component by component, so what it leads to is checked the same way.
+                real_root = real_root or os.path.realpath(root)
+                try:
+                    real = os.path.realpath(os.path.join(real_root, *names, part))
+                except OSError:  # swapped again while realpath read it (EINVAL): open the component again
+                    pending.append(part)
+                    continue
+                if not inside_root(real_root, real):
+                    raise SourceError(f"{where}: a symbolic link to {real}, outside the folder; {_FIX_LINK}",
+                                      url=url) from None
+                while len(stack) > 1:
+                    os.close(stack.pop())
+                names.clear()
+                pending.extend(reversed(real[len(real_root):].split("/")))
+                continue
+            if last:
+                try:
+                    mode = os.fstat(fd).st_mode
+                    if not stat.S_ISREG(mode):
+                        raise SourceError(f"{where}: a {file_type(mode)}, not a regular file; remove it from the "
+                                          "folder", url=url)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                return fd
+            stack.append(fd)
+            names.append(part)
+        raise IsADirectoryError(errno.EISDIR, "a folder, not a file", relative)
+    finally:
+        for descriptor in stack:
+            os.close(descriptor)
+
+
+def read_whole(fd: int, size: int) -> bytes:
+    """``size`` bytes from the start of an open file, fewer when it is shorter."""
+    data = os.pread(fd, size, 0)
+    if 0 < len(data) < size:  # a short read that is not the end (rare; large reads on some file systems)
+        parts = [data]
+        done = len(data)
+        while done < size and (more := os.pread(fd, size - done, done)):
+            parts.append(more)
+            done += len(more)
+        data = b"".join(parts)
+    return data
 
 
 def cell_bytes(column: pa.ChunkedArray) -> list[bytes | None]:
@@ -235,12 +371,24 @@ def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, r
         elif shard.kind == "folder":
             if escapes_root(member):
                 raise SourceError(f"{where}: the member path escapes the folder; re-run `omnifeed index`", url=url)
-            fs, root = url_to_fs(url)
-            target = link_outside(fs, root, member)
-            if target is not None:
-                raise SourceError(f"{where}: a symbolic link to {target}, outside the folder; copy the file into the "
-                                  "folder or remove the link, then re-run `omnifeed index`", url=url)
-            data = fs.cat_file(f"{root.rstrip('/')}/{member}")
+            local = _local_path(url)
+            if local is not None and OPENAT:  # race-free (openat, O_NOFOLLOW) and without fsspec's overhead
+                descriptor = open_beneath(local, member, where, url)
+                try:
+                    size = os.fstat(descriptor).st_size
+                    if size != field.size:  # checked before reading: a file that grew is not read whole
+                        raise SourceError(f"{where}: changed: expected {field.size} bytes, the file has {size}; "
+                                          f"{reindex}", url=url)
+                    data = read_whole(descriptor, size)
+                finally:
+                    os.close(descriptor)
+            else:
+                fs, root = url_to_fs(url)
+                target = link_outside(fs, root, member)
+                if target is not None:
+                    raise SourceError(f"{where}: a symbolic link to {target}, outside the folder; {_FIX_LINK}",
+                                      url=url)
+                data = fs.cat_file(f"{root.rstrip('/')}/{member}")
         elif shard.kind == "parquet":
             cell = _read_parquet_cell(url, field, row_group, row)
             if cell is None:

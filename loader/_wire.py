@@ -12,12 +12,21 @@ Requests (client → service): ``hello`` (protocol, who the client is, where it 
 ``next`` (the next batch; releases batches the client no longer holds), ``metrics``, ``bye``.
 Replies: ``welcome``, ``batch``, ``metrics``, ``error`` (``code``, ``message``). docs/service.md
 lists every field.
+
+A client trusts the service it reaches (it maps the memory the service hands it), so `connect`
+checks who that is, before and after connecting: the socket's directory must be a real
+directory (``lstat``, not a link) of the user, closed to others, and the listening process must
+run as the user (``SO_PEERCRED``), unless a uid is trusted explicitly. Otherwise
+`UntrustedServiceError`: another local user could have planted the socket (docs/security.md §1).
 """
 
 from __future__ import annotations
 
 import array
+import os
+import pwd
 import socket
+import stat
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,6 +45,14 @@ _LENGTH = struct.Struct("!I")
 
 class ProtocolError(OmnifeedError):
     """A malformed, oversized or unexpected message on the service socket."""
+
+
+class UntrustedServiceError(OmnifeedError):
+    """The socket's directory or the process listening on it belongs to another user: never retried."""
+
+
+class ServiceUnavailableError(ConnectionError):
+    """A client gave up on reaching its service (nothing listens at the path, or it stayed busy or away)."""
 
 
 class ServiceError(OmnifeedError):
@@ -133,8 +150,6 @@ def decode(body: bytes | bytearray, ext_hook: Callable[[int, bytes], Any] = _rej
 
 
 def _close_all(fds: list[int]) -> None:
-    import os
-
     for fd in fds:
         try:
             os.close(fd)
@@ -143,16 +158,80 @@ def _close_all(fds: list[int]) -> None:
     fds.clear()
 
 
-def connect(address: str, timeout: float | None) -> socket.socket:
-    """A connected stream socket to the service at ``address`` (a socket path)."""
+def connect(address: str, timeout: float | None, trusted_uid: int | None = None) -> socket.socket:
+    """A connected stream socket to the service at ``address`` (a socket path), checked to be the user's.
+
+    ``trusted_uid``: a service running as this uid is accepted too (its directory may then be
+    owned by it and let others traverse it, never write to it). Raises `UntrustedServiceError`
+    (see `check_socket_directory`, `check_peer`), or ``OSError`` when nothing listens there
+    (``FileNotFoundError`` when the socket or its directory does not exist).
+    """
+    check_socket_directory(address, trusted_uid)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout)
     try:
         sock.connect(address)
-    except OSError:
+        check_peer(sock, address, trusted_uid)
+    except BaseException:
         sock.close()
         raise
     return sock
+
+
+def describe_uid(uid: int) -> str:
+    """``uid 1001 (alice)``, or ``uid 1001`` for a uid without a name."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+_CHOOSE = ("choose a socket path in a private directory of your own (the same for `omnifeed serve --socket` and "
+           "the client), e.g. the default $TMPDIR/omnifeed-$UID/feed.sock")
+
+
+def check_socket_directory(address: str, trusted_uid: int | None = None) -> None:
+    """Refuse a socket whose directory another user could have made or could write to.
+
+    The directory (``lstat``: never through a link) must be a directory owned by this user
+    with no group/other permission bits, or owned by ``trusted_uid`` and writable by it alone.
+    Raises `UntrustedServiceError`; ``FileNotFoundError`` when the directory does not exist.
+    """
+    directory = os.path.dirname(os.path.abspath(address))
+    info = os.lstat(directory)
+    mode = stat.S_IMODE(info.st_mode)
+    me = os.getuid()
+    if stat.S_ISLNK(info.st_mode):
+        problem = (f"is a symbolic link (to {os.readlink(directory)}, owned by {describe_uid(info.st_uid)}): it could "
+                   "be re-pointed after any check")
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory"
+    elif info.st_uid not in (me, trusted_uid):
+        problem = (f"belongs to {describe_uid(info.st_uid)}, not to this user ({describe_uid(me)}): that user "
+                   "could run a fake service there")
+    elif mode & (0o077 if info.st_uid == me else 0o022):
+        problem = f"is open to other users (mode {mode:o}): any of them could replace the socket"
+    else:
+        return
+    raise UntrustedServiceError(f"refusing the omnifeed service at {address}: its directory {directory} {problem}; "
+                                f"{_CHOOSE}")
+
+
+def peer_uid(sock: socket.socket) -> int:
+    """The uid of the process at the other end of a connected Unix socket (``SO_PEERCRED``)."""
+    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", credentials)
+    return int(uid)
+
+
+def check_peer(sock: socket.socket, address: str, trusted_uid: int | None = None) -> None:
+    """Refuse a connection whose listening process runs as another user than this one (or ``trusted_uid``)."""
+    uid = peer_uid(sock)
+    if uid == os.getuid() or (trusted_uid is not None and uid == trusted_uid):
+        return
+    raise UntrustedServiceError(f"refusing the omnifeed service at {address}: the process listening there runs as "
+                                f"{describe_uid(uid)}, not as this user ({describe_uid(os.getuid())}); {_CHOOSE}, "
+                                f"or pass trusted_uid={uid} to FeedClient if that user runs your service")
 
 
 def check_reply(message: dict[str, Any], op: str) -> dict[str, Any]:

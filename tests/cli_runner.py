@@ -1,7 +1,8 @@
-"""Run `omnifeed COMMAND ...` as its own process without paying Python's and torch's start-up for each one.
+"""Run `omnifeed COMMAND ...` as its own process without paying Python's start-up and imports for each one.
 
-Every `omnifeed` process imports torch (``omnifeed.loader`` does), seconds of CPU before the
-command does anything; a test file that runs dozens of commands spends most of its time there.
+Every `omnifeed` process imports numpy, pyarrow, PyAV, Pillow and pydantic (a few tenths of a
+second of CPU before the command does anything; torch too before issue 16); a test file that
+runs dozens of commands would spend much of its time there.
 A ``CliRunner`` starts interpreters that import the command line once and then fork one child
 per command: each command still runs in a process of its own, with its own stdin, stdout and
 stderr, its arguments in ``sys.argv``, ``sys.exit(main())`` as the console script does, and the

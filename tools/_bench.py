@@ -327,12 +327,11 @@ def bench_command(config: BenchConfig, resume_samples: int = 10_000_000, resume_
 
     ``resume_work`` keeps the resume comparison's generated index and MDS dataset between runs
     (minutes to write at 10M samples); by default they live under ``config.work``."""
-    import shutil
-
     from ._bench_report import render_resume, render_table, write_plot
     from ._bench_resume import run_resume_bench
+    from ._output_dir import prepare_output_dir
 
-    shutil.rmtree(config.work, ignore_errors=True)
+    prepare_output_dir(config.work, "bench")
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     report = run_bench(config, log)
     print(render_table(report), flush=True)

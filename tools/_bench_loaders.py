@@ -78,8 +78,11 @@ class SampleDecoder:
 
 
 def collate_samples(samples: list[tuple[str, Decoded]]) -> dict[str, Any]:
-    """omnifeed's batch format for the peers (the same padding work the feed does)."""
-    return collate([s for _, s in samples], [k for k, _ in samples], {})
+    """omnifeed's batch format for the peers (the same padding work the feed does), as torch tensors as the feed hands it out."""
+    from omnifeed.loader._torch_batch import to_torch
+
+    batch: dict[str, Any] = to_torch(collate([s for _, s in samples], [k for k, _ in samples], {}))
+    return batch
 
 
 def folder_samples(folder: str) -> list[tuple[str, dict[str, Path]]]:

@@ -36,6 +36,7 @@ from ._chaos_report import Resources, Verdict, render, verify_audit
 from ._chaos_schedule import KINDS, AuditWatch, Schedule
 from ._chaos_storage import RangeServer
 from ._demo_data import DemoDatasetSpec, write_webdataset
+from ._output_dir import prepare_output_dir
 
 _STALL_S = 180.0  # no delivery for this long while a job runs: a hang
 _MAX_UNEXPECTED = 5  # unexpected failures (a rank or the service dying on its own) before the soak gives up
@@ -363,11 +364,9 @@ def _config_json(config: ChaosConfig) -> dict[str, Any]:
 
 
 def run_chaos(config: ChaosConfig, stream: TextIO | None = None) -> int:
-    """Run the soak in ``config.out`` (recreated); print its summary; 0 only if every check passed."""
+    """Run the soak in ``config.out`` (omnifeed's own earlier output replaced, another non-empty folder refused); print its summary; 0 only if every check passed."""
     out = stream or sys.stdout
-    if config.out.exists():
-        shutil.rmtree(config.out)
-    config.out.mkdir(parents=True)
+    prepare_output_dir(config.out, "chaos")
     soak = Soak(config, out)
     try:
         verdict = soak.run()

@@ -11,6 +11,7 @@ import json
 import logging
 import re
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -29,12 +30,14 @@ from omnifeed.loader import (
     read_delivery_logs,
     verify_coverage,
 )
-from omnifeed.loader._config import load_yaml
+from omnifeed.loader._config import load_yaml, validated
+from omnifeed.loader._config_errors import describe as describe_validation_error
 from omnifeed.loader._cursor import Step
 from omnifeed.loader._plan_report import PlanReport
 from omnifeed.loader._index_build import default_workers
 
 from ._bench_loaders import LOADERS as BENCH_LOADERS
+from ._cache_cmd import add_cache_command
 from ._precache import PrecacheJob
 
 __version__ = "0.1.0"
@@ -45,36 +48,68 @@ _FAILURES_SHOWN = 20
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `omnifeed` console script."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    trailing: str | None = getattr(args, "trailing", None)  # positionals that may follow the options (verify's LOGs)
+    if extra:
+        if trailing is None or any(arg.startswith("-") and arg != "-" for arg in extra):
+            parser.parse_args(argv)  # argparse's own "unrecognized arguments" (exit 2)
+        else:
+            setattr(args, trailing, [*getattr(args, trailing), *extra])
     logging.basicConfig(level=logging.WARNING if not args.verbose else logging.INFO, format="omnifeed: %(message)s")
     try:
         return int(args.run(args) or 0)
-    except (OmnifeedError, OSError, ValueError) as exc:
-        print(f"omnifeed: error: {exc}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("omnifeed: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        message = _user_error(exc)
+        if message is None:  # not the user's mistake: a bug, shown in full
+            raise
+        if args.debug:
+            traceback.print_exc()
+        print(f"omnifeed: error: {message}", file=sys.stderr)
+        return 1
+
+
+def _user_error(exc: Exception) -> str | None:
+    """The one-line message of an error the user can fix; None for anything else (a bug)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):  # a config built from flags or code, not from a YAML file
+        return describe_validation_error(exc)
+    if isinstance(exc, OSError) and exc.filename is not None:
+        return f"{exc.filename}: {exc.strerror or exc}"
+    if isinstance(exc, (OmnifeedError, OSError, ValueError)):
+        return str(exc)
+    return None
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omnifeed", description="Data-pipeline-first loader for multimodal training.")
+    parser = argparse.ArgumentParser(
+        prog="omnifeed", description="Data-pipeline-first loader for multimodal training.",
+        formatter_class=_HelpFormatter, epilog=_examples("omnifeed demo", "omnifeed COMMAND --help"))
     parser.add_argument("--version", action="version", version=f"omnifeed {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log progress details")
+    parser.add_argument("--debug", action="store_true", help="on an error, print its traceback too")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="build the built-in dataset, index it, plan through a resize, verify")
+    demo = _command(sub, "demo", "build the built-in dataset, index it, plan through a resize, verify",
+                    "omnifeed demo", "omnifeed demo --out /tmp/omnifeed-demo --samples 480")
     demo.add_argument("--out", default="demo-output", help="working directory (recreated)")
     demo.add_argument("--samples", type=int, default=240, help="samples in the generated dataset")
     demo.set_defaults(run=_run_demo)
 
-    serve = sub.add_parser("serve", help="run the node's feed service: trainer ranks connect with FeedClient")
+    serve = _command(sub, "serve", "run the node's feed service: trainer ranks connect with FeedClient",
+                     "omnifeed serve --config service.yaml",
+                     "omnifeed serve --config service.yaml --socket /tmp/feed.sock --metrics-port 9100")
     serve.add_argument("--config", required=True, help="YAML service config (index, feed, socket, metrics_port, ...)")
     serve.add_argument("--socket", help="Unix socket path (overrides the config's)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (overrides the config's; 0: any free)")
     serve.set_defaults(run=_run_serve)
 
-    index = sub.add_parser("index", help="scan sources into a hash-partitioned sample index")
+    index = _command(sub, "index", "scan sources into a hash-partitioned sample index",
+                     "omnifeed index 'shards/train-{0000..0099}.tar' --out index",
+                     "omnifeed index s3://bucket/train/ --out index --config omnifeed.yaml --workers 8")
     index.add_argument("sources", nargs="+", metavar="SOURCE", help="tar shards, Parquet files or folders (fsspec URLs, globs, {a..b})")
     index.add_argument("--out", required=True, help="index directory to write")
     index.add_argument("--config", help="YAML file; its 'index' section is an IndexConfig")
@@ -87,7 +122,9 @@ def _parser() -> argparse.ArgumentParser:
     index.add_argument("--no-progress", action="store_true", help="no progress bar")
     index.set_defaults(run=_run_index)
 
-    precache = sub.add_parser("precache", help="fill the node's NVMe cache tier from an index ahead of training (resumable)")
+    precache = _command(sub, "precache", "fill the node's NVMe cache tier from an index ahead of training (resumable)",
+                        "omnifeed precache index --cache /local_nvme/omnifeed-cache --capacity 500G",
+                        "omnifeed precache index --config feed.yaml --partitions 0-7")
     precache.add_argument("index", metavar="INDEX_DIR", help="an index written by `omnifeed index`")
     precache.add_argument("--cache", metavar="DIR", help="NVMe tier directory, node-local (default: cache.nvme.path of --config)")
     precache.add_argument("--config", metavar="FEED_YAML",
@@ -107,17 +144,22 @@ def _parser() -> argparse.ArgumentParser:
     precache.add_argument("--no-progress", action="store_true", help="no progress bar")
     precache.set_defaults(run=_run_precache)
 
-    plan = sub.add_parser("plan", help="print which samples each rank receives at each step (JSON lines)")
-    plan.add_argument("index", metavar="INDEX_DIR")
-    plan.add_argument("--world-size", type=int, required=True)
-    plan.add_argument("--seed", type=int)
+    plan = _command(sub, "plan", "print which samples each rank receives at each step (JSON lines)",
+                    "omnifeed plan index --world-size 8 --batch-size 32 --steps 10 --save-state state.json",
+                    "omnifeed plan index --world-size 4 --resume state.json")
+    plan.add_argument("index", metavar="INDEX_DIR", help="an index written by `omnifeed index`")
+    plan.add_argument("--world-size", type=int, required=True, help="data-parallel ranks sharing each step")
+    plan.add_argument("--seed", type=int, help="shuffle seed (default 0)")
     plan.add_argument("--epoch", type=int, help="start epoch (new run) and the epoch to deliver fully")
-    plan.add_argument("--grad-accum", type=int, default=1)
+    plan.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step (default 1)")
     plan.add_argument("--batch-size", type=int, help="samples per micro-batch (default 8)")
-    plan.add_argument("--shuffle", choices=["permutation", "shard_block", "none"])
-    plan.add_argument("--shards-per-window", type=int)
-    plan.add_argument("--drop-last", action="store_true", default=None)
-    plan.add_argument("--window-size", type=int, help="samples per window (default 4096)")
+    plan.add_argument("--shuffle", choices=["permutation", "shard_block", "none"],
+                      help="permutation (all samples, default), shard_block (shuffled shards, sequential reads) or none")
+    plan.add_argument("--shards-per-window", type=int, help="shards per window with --shuffle shard_block (default 4)")
+    plan.add_argument("--drop-last", action="store_true", default=None,
+                      help="drop each epoch's last, short micro-batch (fixed-size batches)")
+    plan.add_argument("--window-size", type=int, help="samples per window of the shuffled stream (default: 64 "
+                      "micro-batches' worth; 65,536 samples with --budget)")
     plan.add_argument("--budget", type=float, help="cost budget per micro-batch: length-bucketed batches instead of --batch-size")
     plan.add_argument("--packing", action="store_true", help="with --budget: pack sequences of tokens up to the budget")
     plan.add_argument("--overlong", choices=["reject", "alone", "split"],
@@ -130,22 +172,31 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--save-state", metavar="STATE_JSON", help="write the state after the last step")
     plan.set_defaults(run=_run_plan)
 
-    verify = sub.add_parser("verify", help="check delivery logs cover an epoch exactly once")
-    verify.add_argument("--index", required=True, metavar="INDEX_DIR")
-    verify.add_argument("--epoch", type=int, required=True)
-    verify.add_argument("logs", nargs="+", metavar="LOG", help="JSON-lines delivery logs ('-' for stdin)")
-    verify.set_defaults(run=_run_verify)
+    verify = _command(sub, "verify", "check delivery logs cover an epoch exactly once",
+                      "omnifeed verify index delivery.jsonl --epoch 0",
+                      "omnifeed plan index --world-size 2 | omnifeed verify index - --epoch 0")
+    verify.usage = "omnifeed verify [-h] INDEX_DIR LOG [LOG ...] --epoch EPOCH"
+    verify.add_argument("index", nargs="?", metavar="INDEX_DIR", help="the index the logs were delivered from")
+    verify.add_argument("logs", nargs="*", metavar="LOG",
+                        help="JSON-lines delivery logs or service audit logs ('-' for stdin)")
+    verify.add_argument("--epoch", type=int, required=True, help="the epoch to check")
+    verify.add_argument("--index", dest="legacy_index", metavar="INDEX_DIR", help=argparse.SUPPRESS)  # before 0.2
+    verify.set_defaults(run=_run_verify, trailing="logs")
 
-    stats = sub.add_parser("stats", help="print a running service's metrics live, and what limits throughput")
-    stats.add_argument("--address", required=True, metavar="SOCKET", help="the service's Unix socket")
+    stats = _command(sub, "stats", "print a running service's metrics live, and what limits throughput",
+                     "omnifeed stats", "omnifeed stats --socket /tmp/feed.sock --once --json")
+    stats.add_argument("--socket", metavar="SOCKET",
+                       help="the service's Unix socket (default: serve's, $TMPDIR/omnifeed-$UID/feed.sock)")
+    stats.add_argument("--address", dest="socket", metavar="SOCKET", help=argparse.SUPPRESS)  # before 0.2
     stats.add_argument("--interval", type=_positive_seconds, default=2.0, metavar="SECONDS",
                        help="seconds between refreshes (default 2)")
     stats.add_argument("--once", action="store_true", help="print once and exit")
     stats.add_argument("--json", action="store_true", help="print the raw snapshot (one JSON object per refresh)")
     stats.set_defaults(run=_run_stats)
 
-    chaos = sub.add_parser("chaos", help="a bounded fault-injection soak: kill the service, decode workers and trainer "
-                           "ranks, resize, storage errors and latency; then verify exactly-once, leaks and orphans")
+    chaos = _command(sub, "chaos", "a bounded fault-injection soak: kill the service, decode workers and trainer "
+                     "ranks, resize, storage errors and latency; then verify exactly-once, leaks and orphans",
+                     "omnifeed chaos --minutes 5", "omnifeed chaos --minutes 0.5 --quick --seed 3")
     chaos.add_argument("--minutes", type=_positive_minutes, required=True, help="how long to inject faults; the job "
                        "then finishes its epoch")
     chaos.add_argument("--seed", type=int, default=0, help="seeds the dataset, the plan and the fault schedule")
@@ -154,14 +205,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="48 samples, 1 or 2 ranks, a fault every 1-2.5 s (the test suite's)")
     chaos.set_defaults(run=_run_chaos)
 
-    bench = sub.add_parser("bench", help="omnifeed beside DataLoader, WebLoader, StatefulDataLoader, Streaming, LitData "
-                           "and DALI (those installed): throughput, CPU, memory, resume cost, as ratios")
+    bench = _command(sub, "bench", "omnifeed beside DataLoader, WebLoader, StatefulDataLoader, Streaming, LitData "
+                     "and DALI (those installed): throughput, CPU, memory, resume cost, as ratios",
+                     "omnifeed bench --quick", "omnifeed bench --data /data/shards --loaders omnifeed,dataloader --rounds 3")
     bench.add_argument("--data", metavar="DIR", help="a folder of JPEG files or of WebDataset shards for the image "
                        "pipeline (default: generated)")
     bench.add_argument("--images", type=_positive_int, default=2048, help="generated images (default 2048)")
     bench.add_argument("--mixed", type=_positive_int, default=1536, help="generated multimodal samples (default 1536)")
     bench.add_argument("--workers", type=_positive_int, default=2, help="CPU workers every loader gets (default 2)")
-    bench.add_argument("--batch-size", type=_positive_int, default=64)
+    bench.add_argument("--batch-size", type=_positive_int, default=64, help="samples per batch (default 64)")
     bench.add_argument("--rounds", type=_positive_int, default=1, help="runs per loader, alternating; medians reported")
     bench.add_argument("--loaders", default=",".join(BENCH_LOADERS), help="comma-separated subset of "
                        f"{','.join(BENCH_LOADERS)}")
@@ -171,7 +223,40 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench-output", help="working directory (recreated): data, report.json, bench.png")
     bench.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness, not speed (the test suite's)")
     bench.set_defaults(run=_run_bench)
+
+    add_cache_command(_command(sub, "cache", "list and remove the node's cache tiers (RAM segments in /dev/shm, "
+                               "NVMe directories)", "omnifeed cache list --nvme /local_nvme",
+                               "omnifeed cache remove default"), _command)
     return parser
+
+
+def _command(sub: Any, name: str, summary: str, *examples: str) -> argparse.ArgumentParser:
+    """A subcommand whose --help shows ``summary``, its options, and ``examples``; -v and --debug after it too."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log progress details")
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="on an error, print its traceback too")
+    command: argparse.ArgumentParser = sub.add_parser(
+        name, help=summary, description=summary, epilog=_examples(*examples), parents=[common],
+        formatter_class=_HelpFormatter)
+    command.set_defaults(parser=command)
+    return command
+
+
+def _examples(*lines: str) -> str:
+    return _EXAMPLES + "\n" + "\n".join(f"  {line}" for line in lines)
+
+
+_EXAMPLES = "examples:"
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Wraps the description to the terminal, as the default formatter does; prints the examples as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text.startswith(_EXAMPLES):
+            return super()._fill_text(text, width, indent)
+        return argparse.HelpFormatter._fill_text(self, text, width, indent)
 
 
 def _positive_int(text: str) -> int:
@@ -224,20 +309,25 @@ def _section(path: str | None, name: str) -> dict[str, Any]:
     return section
 
 
+def _flags(args: argparse.Namespace, names: Sequence[str]) -> dict[str, str]:
+    """Config field → ``--flag`` for the flags given, so that an error names the flag rather than the file."""
+    return {name: "--" + name.replace("_", "-") for name in names if getattr(args, name, None) is not None}
+
+
 def _run_index(args: argparse.Namespace) -> int:
     values = _section(args.config, "index")
     values.setdefault("workers", default_workers())
-    for flag in ("partitions", "workers", "tokenizer"):
-        if getattr(args, flag) is not None:
-            values[flag] = getattr(args, flag)
+    flags = _flags(args, ("partitions", "workers", "tokenizer"))
+    for flag in flags:
+        values[flag] = getattr(args, flag)
+    config = validated(IndexConfig, values, source=args.config, section=("index",), flags=flags)
     if args.ray is not None:
         from omnifeed.loader._index_ray import build_index_ray
 
         _check_ray_flags(args)
-        report = build_index_ray(args.sources, args.out, IndexConfig(**values), address=args.ray,
-                                 progress=not args.no_progress)
+        report = build_index_ray(args.sources, args.out, config, address=args.ray, progress=not args.no_progress)
     else:
-        report = build_index(args.sources, args.out, IndexConfig(**values), progress=not args.no_progress)
+        report = build_index(args.sources, args.out, config, progress=not args.no_progress)
     summary = {"index": str(report.path), "samples": report.num_samples, "shards": report.shards,
                "fingerprint": report.fingerprint, "errors": len(report.errors)}
     print(json.dumps(summary))
@@ -306,7 +396,8 @@ def _precache_job(args: argparse.Namespace, index: SampleIndex) -> PrecacheJob:
     nvme = (cache.nvme or NvmeTierConfig(path=path)).model_copy(update={"path": path})
     if args.capacity is not None:
         nvme = nvme.model_copy(update={"capacity_bytes": _parse_bytes(args.capacity)})
-    nvme = NvmeTierConfig(**nvme.model_dump())  # validate what the flags changed
+    nvme = validated(NvmeTierConfig, nvme.model_dump(), source=args.config, section=("cache", "nvme"),
+                     flags={"capacity_bytes": "--capacity"} if args.capacity is not None else {})  # what flags changed
     entries: Literal["raw", "decoded"] = "decoded" if args.decode else cache.entries
     return PrecacheJob(index=str(index.path), nvme=nvme, entries=entries, decode=feed.decode, remote=cache.remote)
 
@@ -343,16 +434,17 @@ def _partition_list(text: str | None, count: int) -> list[int]:
 
 def _plan_config(args: argparse.Namespace, saved: dict[str, Any] | None) -> PlanConfig:
     values = dict(saved or {}) | _section(args.config, "plan")
-    for flag in ("seed", "batch_size", "shuffle", "shards_per_window", "drop_last", "window_size"):
-        if getattr(args, flag) is not None:
-            values[flag] = getattr(args, flag)
+    flags = _flags(args, ("seed", "batch_size", "shuffle", "shards_per_window", "drop_last", "window_size"))
+    for flag in flags:
+        values[flag] = getattr(args, flag)
     if args.budget is not None:
         bucketing = dict(values.get("bucketing") or {}) | {"budget": args.budget}
         values["bucketing"] = (bucketing | ({"mode": "packing"} if args.packing else {})
                                | ({"overlong": args.overlong} if args.overlong else {}))
+        flags |= {"bucketing.budget": "--budget"} | ({"bucketing.overlong": "--overlong"} if args.overlong else {})
     elif args.packing:
-        raise ValueError("--packing needs --budget (tokens per pack)")
-    return PlanConfig(**values)
+        args.parser.error("--packing needs --budget (tokens per pack)")
+    return validated(PlanConfig, values, source=args.config, section=("plan",), flags=flags)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -425,6 +517,7 @@ def _read_state_file(path: str) -> dict[str, Any]:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
+    import os
     import signal
     import threading
 
@@ -437,23 +530,64 @@ def _run_serve(args: argparse.Namespace) -> int:
         config = config.model_copy(update=overrides)
     service = FeedService(config)
     stop = threading.Event()
+
+    def on_signal(number: int, _frame: object) -> None:
+        if stop.is_set():  # a second SIGTERM / Ctrl-C: do not wait for the clean stop
+            print(f"omnifeed: {signal.Signals(number).name} again: exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + number)
+        stop.set()
+
     for number in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(number, lambda *_: stop.set())
+        signal.signal(number, on_signal)
     service.start()
     metrics = f", metrics at http://{config.metrics_host}:{service.metrics_port}/metrics" if service.metrics_port else ""
     print(f"omnifeed: serving {config.index} at {config.socket}{metrics}", flush=True)
+    ram = config.feed.cache.ram
+    if ram is not None:  # it outlives the service by design (a warm restart): say where it is and how it goes
+        print(f"omnifeed: RAM cache tier '{ram.name}' in /dev/shm ({ram.capacity_bytes / 2**30:.3g} GiB, kept after the "
+              f"service stops for a warm restart); list with `omnifeed cache list`, free with "
+              f"`omnifeed cache remove {ram.name}`", flush=True)
     try:
         while not stop.wait(0.5):
             pass
     finally:
+        _exit_within(_STOP_DEADLINE_S)
         service.stop()
     print("omnifeed: service stopped", flush=True)
     return 0
 
 
+_STOP_DEADLINE_S = 30.0  # SIGTERM ends `omnifeed serve` within this, its cleanup finished or not (docs/service.md)
+
+
+def _exit_within(seconds: float) -> None:
+    """From now on the process ends within ``seconds``: a daemon timer exits it (status 1) if stopping hangs.
+
+    The timer also outlives ``main``: it covers the interpreter's exit (atexit hooks, finalizers).
+    """
+    import os
+    import threading
+
+    def give_up() -> None:
+        print(f"omnifeed: the service did not stop within {seconds:g} s; exiting without finishing its cleanup",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, give_up)
+    timer.daemon = True
+    timer.start()
+
+
 def _run_verify(args: argparse.Namespace) -> int:
-    index = SampleIndex(args.index)
-    report = verify_coverage(index, args.epoch, read_delivery_logs(args.logs, stdin=sys.stdin))
+    paths = ([args.index] if args.index is not None else []) + args.logs
+    if args.legacy_index is not None:  # the spelling before 0.2: --index INDEX_DIR, every positional a log
+        index_dir, logs = args.legacy_index, paths
+    else:
+        index_dir, logs = (paths[0], paths[1:]) if paths else (None, [])
+    if index_dir is None or not logs:
+        args.parser.error("give the index directory, then one or more delivery logs (LOG, or - for stdin)")
+    index = SampleIndex(index_dir)
+    report = verify_coverage(index, args.epoch, read_delivery_logs(logs, stdin=sys.stdin))
     print(json.dumps(report.to_json()))
     return 0 if report.ok else 1
 
@@ -475,19 +609,21 @@ def _run_stats(args: argparse.Namespace) -> int:
     """Print the service's metrics table (or JSON) every ``--interval`` seconds; once with ``--once``."""
     import time
 
+    from omnifeed.loader._service_config import default_socket
     from omnifeed.loader._wire import request_metrics
 
     from ._stats import render_stats
 
     previous: dict[str, Any] | None = None
     clear = sys.stdout.isatty() and not args.once and not args.json
+    address = args.socket or default_socket()
     try:
         while True:
             try:
-                snapshot = request_metrics(args.address)
+                snapshot = request_metrics(address)
             except (OSError, EOFError) as exc:  # no socket, nobody listening, or it hung up
                 cause = "" if isinstance(exc, (FileNotFoundError, ConnectionRefusedError)) else f" ({exc})"
-                print(f"omnifeed: error: no omnifeed service at {args.address}: start it with "
+                print(f"omnifeed: error: no omnifeed service at {address}: start it with "
                       f"`omnifeed serve --config FILE`{cause}", file=sys.stderr)
                 return 1
             text = json.dumps(snapshot) if args.json else render_stats(snapshot, previous)

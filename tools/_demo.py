@@ -35,9 +35,10 @@ from omnifeed.loader import (
     verify_coverage,
 )
 
-from omnifeed.loader._wire import request_metrics
+from omnifeed.loader._wire import request_metrics, wait_until_serving
 
 from ._demo_data import DemoDatasetSpec, write_webdataset
+from ._output_dir import prepare_output_dir
 from ._precache import PrecacheJob
 from ._precache_run import precache_local
 
@@ -46,10 +47,10 @@ _SERVED_PHASES = ((2, 3), (1, 3), (3, None))
 
 
 def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None) -> int:
-    """Run the demo in ``out`` (recreated); returns the exit status (0 when verified exactly-once)."""
+    """Run the demo in ``out`` (omnifeed's own earlier output there is replaced; any other non-empty folder is
+    refused); returns the exit status (0 when verified exactly-once)."""
     say = _Reporter(stream)
-    if out.exists():
-        shutil.rmtree(out)
+    prepare_output_dir(out, "demo")
     data = out / "data"
     shards = write_webdataset(data, DemoDatasetSpec(num_samples=samples, num_shards=max(1, min(6, samples // 8))))
     total = sum(p.stat().st_size for p in shards)
@@ -103,7 +104,7 @@ def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None) -> 
 
     say.title("5. Verify")
     coverage = verify_coverage(index, 0, read_delivery_logs([log_path]))
-    say(f"omnifeed verify --index {report.path} --epoch 0 {log_path}")
+    say(f"omnifeed verify {report.path} {log_path} --epoch 0")
     say(json.dumps(coverage.to_json()))
     say("\n" + ("OK: every sample of epoch 0 delivered exactly once across 4 -> 3 -> 6 ranks."
                if coverage.ok else "FAILED: the plan did not deliver epoch 0 exactly once."))
@@ -123,7 +124,10 @@ def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None) -> 
 
 def _train(say: _Reporter, address: str, checkpoint: Path, world_size: int, steps: int | None) -> bool:
     """Toy trainer ranks as client processes, resuming from (and saving) the checkpoint; their summaries."""
+    # checkpoint only when a phase ends: without torchrun the ranks share no barrier, so a rank 0 saving mid-phase
+    # could overwrite the checkpoint before a slower peer of the same phase has loaded it
     limit = ["--max-steps", str(steps)] if steps else []
+    limit += ["--save-every", str(1 << 30)]
     ranks = [subprocess.Popen([sys.executable, "-m", "omnifeed.trainer_adapter._toy_trainer", "--address", address,
                                "--rank", str(rank), "--world-size", str(world_size), "--checkpoint", str(checkpoint),
                                *limit], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -153,15 +157,24 @@ def _serve_two_ranks(say: _Reporter, out: Path, index_path: Path, index: SampleI
     audit = out / "audit.jsonl"
     config_path = out / "service.yaml"
     address = str(socket_dir / "feed.sock")
-    config = {"index": str(index_path), "socket": address, "audit_log": str(audit),
-              "metrics_port": 0, "feed": {"plan": {"seed": 0, "batch_size": 8}, "cache": {"nvme": nvme.model_dump()}}}
+    # paths in a config file are relative to the file's folder: the demo writes them that way, as a user would
+    config = {"index": _relative(index_path, out), "socket": address, "audit_log": audit.name, "metrics_port": 0,
+              "feed": {"plan": {"seed": 0, "batch_size": 8},
+                       "cache": {"nvme": nvme.model_dump() | {"path": _relative(Path(nvme.path), out)}}}}
     config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
     say(f"omnifeed serve --config {config_path}")
-    service = subprocess.Popen([sys.executable, "-m", "omnifeed.tools", "serve", "--config", str(config_path)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    service_log = out / "service.log"
+    with service_log.open("w", encoding="utf-8") as log:
+        service = subprocess.Popen([sys.executable, "-m", "omnifeed.tools", "serve", "--config", str(config_path)],
+                                   stdout=log, stderr=subprocess.STDOUT, text=True)
     try:
-        assert service.stdout is not None
-        say("  " + service.stdout.readline().strip())
+        try:
+            wait_until_serving(address, service, timeout=120.0, detail=lambda: _last_lines(service_log))
+        except (RuntimeError, TimeoutError) as exc:
+            say(f"FAILED: {exc}")
+            return 1
+        say("  " + next((line for line in service_log.read_text(encoding="utf-8").splitlines()
+                         if "serving" in line), _last_lines(service_log, 1)))
         checkpoint = out / "checkpoint.pt"
         for world_size, steps in _SERVED_PHASES:
             say(f"trainer ranks 0..{world_size - 1} of {world_size}" + (f", {steps} steps each, then a checkpoint"
@@ -177,17 +190,35 @@ def _serve_two_ranks(say: _Reporter, out: Path, index_path: Path, index: SampleI
     say(f"service: {snapshot['resizes']} resizes; {snapshot['handed_over']} prefetched micro-batches handed over to "
         f"new ranks instead of decoded again; fields from the NVMe tier: {tiers['nvme']['hits']}, from the source "
         f"files: {tiers['remote']['reads']}")
+    say("decoded counts exceed the dataset's samples: the service reads ahead into epoch 1 while the last ranks "
+        "finish, and batches prefetched for a departing topology are decoded again when they cannot be handed over")
     say(f"{'modality':<8}{'decoded':>9}{'p50 ms':>9}{'p90 ms':>9}{'bad':>5}")
     for modality, m in snapshot["modalities"].items():
         latency = m["decode_latency_s"]
         say(f"{modality:<8}{m['decoded']:>9}{latency['p50'] * 1e3:>9.2f}{latency['p90'] * 1e3:>9.2f}"
             f"{sum(m['bad'].values()):>5}")
     coverage = verify_coverage(index, 0, read_delivery_logs([audit]))
-    say(f"omnifeed verify --index {index_path} --epoch 0 {audit}")
+    say(f"omnifeed verify {index_path} {audit} --epoch 0")
     say(json.dumps(coverage.to_json()))
     say("\n" + ("OK: the service delivered epoch 0 exactly once across 2 -> 1 -> 3 trainer ranks." if coverage.ok
                 else "FAILED: the service's audit log does not cover epoch 0 exactly once."))
     return 0 if coverage.ok else 1
+
+
+def _relative(path: Path, folder: Path) -> str:
+    """``path`` relative to ``folder`` when it lies inside it (as written into a config file there)."""
+    try:
+        return str(path.resolve().relative_to(folder.resolve()))
+    except ValueError:
+        return str(path.resolve())
+
+
+def _last_lines(log: Path, count: int = 15) -> str:
+    """The service log's last lines (what a user needs when the service died)."""
+    lines = log.read_text(encoding="utf-8", errors="replace").strip().splitlines() if log.is_file() else []
+    if count == 1:
+        return lines[-1] if lines else ""
+    return f"its last log lines ({log}):\n" + "\n".join(lines[-count:]) if lines else f"it logged nothing ({log})"
 
 
 def _describe(lengths: Any, modality: str) -> str:

@@ -163,15 +163,42 @@ def encode_video(
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.codec_context.thread_count = 1  # x264 output depends on its thread count
         if codec == "libx264":
-            stream.codec_context.options = {"preset": "veryfast"}
+            # Same picture, same bytes: x264's threads only go through x264-params (thread_count does not reach
+            # them), and its macroblock-tree lookahead gave different bytes from run to run (measured with PyAV 18)
+            stream.codec_context.options = {
+                "preset": "veryfast",
+                "x264-params": "threads=1:lookahead-threads=1:sliced-threads=0:no-mbtree=1:rc-lookahead=0"}
         for i in range(frames):
             img = np.roll(base, (i * int(dy), i * 3), axis=(0, 1))
             x0, y0 = (i * int(dx)) % (width - side), (i * 2) % (height - side)
             img[y0 : y0 + side, x0 : x0 + side] = (255 - 16 * i) % 256
-            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(img), format="rgb24")
-            out.mux(stream.encode(frame))
+            out.mux(stream.encode(_yuv420_frame(img)))
         out.mux(stream.encode(None))
     return buf.getvalue()
+
+
+def _yuv420_frame(rgb: np.ndarray) -> av.VideoFrame:
+    """An RGB picture as a yuv420p frame, converted in numpy (BT.601, limited range) into zeroed planes.
+
+    Neither swscale nor the planes' line padding (left uninitialised by PyAV) reaches the
+    encoder, so the same picture always encodes to the same bytes.
+    """
+    r, g, b = (rgb[..., c].astype(np.float32) for c in range(3))
+    y = 16 + 0.257 * r + 0.504 * g + 0.098 * b
+    u = 128 - 0.148 * r - 0.291 * g + 0.439 * b
+    v = 128 + 0.439 * r - 0.368 * g - 0.071 * b
+    height, width = rgb.shape[:2]
+    frame = av.VideoFrame(width, height, "yuv420p")
+    for plane, data in zip(frame.planes, (y, _halve(u), _halve(v))):
+        view = np.frombuffer(memoryview(plane), np.uint8)
+        view[:] = 0
+        view.reshape(-1, plane.line_size)[: data.shape[0], : data.shape[1]] = np.clip(np.rint(data), 0, 255)
+    return frame
+
+
+def _halve(plane: np.ndarray) -> np.ndarray:
+    """2x2 average (chroma subsampling)."""
+    return (plane[0::2, 0::2] + plane[1::2, 0::2] + plane[0::2, 1::2] + plane[1::2, 1::2]) / 4
 
 
 def encode_flac(seconds: float, sample_rate: int, channels: int, *, seed: int = 0) -> bytes:

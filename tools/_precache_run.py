@@ -23,13 +23,15 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing import get_context, parent_process
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from omnifeed.cache import NvmeTier
+from omnifeed.cache import CacheError, NvmeTier
 from omnifeed.loader import OmnifeedError, SampleIndex
 
+from ._output_dir import check_cache_dir
 from ._precache import Counts, Failure, PartitionResult, PrecacheJob, partition_bytes, run_partition
 
 _POLL_S = 0.2
@@ -109,11 +111,17 @@ class RunTracker:
 def precache_local(job: PrecacheJob, partitions: Sequence[int], *, workers: int = 1, progress: bool = True) -> PrecacheReport:
     """Precache ``partitions`` with ``workers`` local processes (1: in this process).
 
-    Raises OmnifeedError when a worker process dies; what was cached before stays cached.
+    Raises OmnifeedError when a worker process dies (what was cached before stays cached), and when the tier's
+    folder holds files that are not a tier's.
     """
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
-    with NvmeTier(job.nvme) as tier:  # fail once, here, rather than once per task
+    check_cache_dir(Path(job.nvme.path))  # a folder of other files is not a cache to write into
+    try:
+        tier = NvmeTier(job.nvme)  # fail once, here, rather than once per task
+    except CacheError as exc:  # another user's folder, or one open to others
+        raise OmnifeedError(f"cannot cache in {job.nvme.path}: {exc}") from None
+    with tier:
         if tier.degraded is not None:
             raise OmnifeedError(f"cannot cache in {job.nvme.path}: {tier.degraded}; give --cache a writable local directory")
     tracker = RunTracker(job, partitions, progress=progress)

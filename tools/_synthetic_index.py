@@ -24,6 +24,8 @@ from omnifeed.loader._index import ROW_SCHEMA
 from omnifeed.loader._index_build import write_index_from_tables
 from omnifeed.tools._demo_data import encode_image
 
+from ._output_dir import ForeignDirectoryError
+
 MEMBERS = 8  # distinct samples in the tar; the index cycles over them
 
 
@@ -76,6 +78,8 @@ def make_index(work: Path, rows: int) -> tuple[Path, dict[str, Any]]:
         return out, {"cached": True}
     template, shard, size = template_rows(work)
     if out.exists():
+        if not manifest.is_file():  # an index of ours (stale, or of another size) is replaced; nothing else is
+            raise ForeignDirectoryError(f"{out} exists and holds no omnifeed index: move it away or pick another work folder")
         shutil.rmtree(out)
     started = time.perf_counter()
     write_index_from_tables(repeated_tables(template, rows), [shard], [size], out, IndexConfig(partitions=16))

@@ -10,6 +10,13 @@ batch costs the trainer a header read, whatever the batch's size.
 A batch's memory goes back to the service when the trainer drops its last tensor (a
 finalizer on the batch's mapping), so holding on to batches is safe, only memory-hungry.
 Tensor-parallel peers map the same pages: an in-place edit of a batch is seen by them.
+
+The client maps what its service hands it, so it first checks that the service is the user's
+own (`omnifeed.loader._wire.connect`: the socket's directory, then ``SO_PEERCRED``); a service
+of another user is refused at once (`UntrustedServiceError`), never retried. Until the client
+has reached its service once, a path where nothing listens is given up on after a few
+seconds (a wrong path, no service started); the long ``reconnect_timeout_s`` is for a
+service that was up and went away.
 """
 
 from __future__ import annotations
@@ -35,7 +42,8 @@ from omnifeed.loader._feed import FEED_STATE_FORMAT
 from omnifeed.loader._service_arena import tensor_decoder
 from omnifeed.loader._service_config import ServiceConfig, default_socket
 from omnifeed.loader._wire import (
-    MAX_REPLY_BYTES, PROTOCOL, ProtocolError, ServiceError, check_reply, connect, decode, receive, receive_frame, send,
+    MAX_REPLY_BYTES, PROTOCOL, ProtocolError, ServiceError, ServiceUnavailableError, check_reply, connect, decode,
+    receive, receive_frame, send,
 )
 
 from ._hints import LrRule, TopologyHints, topology_hints
@@ -43,6 +51,7 @@ from ._hints import LrRule, TopologyHints, topology_hints
 log = logging.getLogger("omnifeed.client")
 
 _FATAL_CODES = frozenset({"protocol", "fingerprint", "state", "topology", "position", "feed"})
+_NO_SERVICE_S = 5.0  # before a first connection: how long a path where nothing listens is retried
 
 
 class FeedClient:
@@ -51,13 +60,19 @@ class FeedClient:
     ``rank``/``world_size`` are the global ones; ``dp_rank``/``dp_world_size`` the data-parallel
     ones when tensor or context parallelism groups several ranks on one data-parallel rank
     (default: the global ones). Peers of a data-parallel rank receive the same batches.
+
+    ``reconnect_timeout_s``: how long to wait for a service that was reached and went away
+    (before the first connection, a path where nothing listens fails after about 5 s).
+    ``trusted_uid``: a service running as this other uid is accepted (default: only the
+    user's own); anything else raises `omnifeed.loader._wire.UntrustedServiceError`.
     """
 
     def __init__(self, address: str | None = None, *, rank: int = 0, world_size: int = 1, dp_rank: int | None = None,
                  dp_world_size: int | None = None, grad_accum: int = 1, index_fingerprint: str | None = None,
                  reconnect_timeout_s: float = 300.0, request_timeout_s: float | None = None,
-                 lr_rule: LrRule = "linear") -> None:
+                 lr_rule: LrRule = "linear", trusted_uid: int | None = None) -> None:
         self.address = address or default_socket()
+        self.trusted_uid = trusted_uid
         self._set_topology(rank, world_size, dp_rank, dp_world_size, grad_accum)
         self.index_fingerprint = index_fingerprint
         self.lr_rule: LrRule = lr_rule
@@ -79,6 +94,9 @@ class FeedClient:
         self._bases: list[np.ndarray] = []
         self.waited_s = 0.0
         self.reconnects = 0
+        self._reached = False  # a service welcomed this client once: from then on, wait for it to come back
+        self._first_failure: float | None = None  # when the first attempt before that failed
+        self._told_busy = False
         self._closed = False
 
     def _set_topology(self, rank: int, world_size: int, dp_rank: int | None, dp_world_size: int | None,
@@ -145,6 +163,25 @@ class FeedClient:
 
         return batches()
 
+    def __len__(self) -> int:
+        """Micro-batches this rank receives in the epoch in progress from here (what ``iter(client)`` yields).
+
+        At an epoch's start, the whole epoch's share. The service plans the rest of the epoch (no data read).
+        """
+        if self._feed is not None:
+            return len(self._feed)
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        while True:
+            try:
+                sock = self._connected(deadline)
+                send(sock, {"op": "length", "state": self._state, "dp_world_size": self.dp_world_size,
+                            "grad_accum": self.grad_accum})
+                reply = check_reply(receive(sock, MAX_REPLY_BYTES)[0], "length")
+            except (OSError, EOFError, ServiceError) as exc:
+                self._lost(exc, deadline)
+                continue
+            return int(reply["micro_batches"])
+
     @property
     def epoch(self) -> int:
         """Epoch of the next batch this client will yield."""
@@ -183,6 +220,8 @@ class FeedClient:
         try:
             message = decode(body, self._decode)
             if message["op"] == "batch":  # the batch's memory goes back when it is dropped
+                for forgotten in message.get("forget") or ():  # segments the service gave up: unmap (live tensors keep theirs)
+                    self._maps.pop((int(forgotten[0]), int(forgotten[1])), None)
                 if self._bases:
                     weakref.finalize(self._bases[-1], self._released.append, (self._service, int(message["seq"])))
                 else:  # no tensor views it (a batch of meta fields only): nothing to wait for
@@ -237,14 +276,18 @@ class FeedClient:
         return self._sock
 
     def _hello(self) -> socket.socket:
-        sock = connect(self.address, self.request_timeout_s)
+        sock = connect(self.address, self.request_timeout_s, self.trusted_uid)
         try:
             hello = {"op": "hello", "protocol": PROTOCOL, "pid": os.getpid(), "rank": self.rank,
                      "world_size": self.world_size, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
                      "grad_accum": self.grad_accum, "state": self._state,
                      "resume": self._resumed_from, "attempt": self._attempt, "token": self._token,
                      "index_fingerprint": self.index_fingerprint}
-            send(sock, hello)
+            try:
+                send(sock, hello)
+            except (BrokenPipeError, ConnectionResetError):
+                _raise_refusal(sock)  # a service that refuses (busy) answers and hangs up before reading
+                raise
             reply, _ = receive(sock, MAX_REPLY_BYTES)
             welcome = check_reply(reply, "welcome")
         except BaseException:
@@ -256,18 +299,42 @@ class FeedClient:
         self._attempt = welcome.get("attempt")
         self._maps.clear()  # segment numbers belong to a connection's stream; the service sends each one anew
         self._service = welcome["service"]
+        self._reached = True
         return sock
 
     def _lost(self, exc: BaseException, deadline: float) -> None:
-        """The service is unreachable: wait and retry until ``deadline``, then give up with a clear error."""
-        if isinstance(exc, ServiceError) and exc.code in _FATAL_CODES:
+        """The service is unreachable: wait and retry until ``deadline``, then give up with a clear error.
+
+        Before the client first reached its service, a path where nothing listens (no socket,
+        or a socket nobody serves) is given up on after `_NO_SERVICE_S`.
+        """
+        if isinstance(exc, ServiceUnavailableError) or (isinstance(exc, ServiceError) and exc.code in _FATAL_CODES):
             raise exc
         self._drop_connection()
-        if time.monotonic() > deadline:
-            raise ConnectionError(f"no omnifeed service at {self.address} for {self.reconnect_timeout_s:.0f} s "
-                                  f"({type(exc).__name__}: {exc}); start it with `omnifeed serve --config FILE`") from exc
+        now = time.monotonic()
+        start = f"start one with `omnifeed serve --config SERVICE_YAML --socket {self.address}`"
+        if not self._reached:
+            self._first_failure = now if self._first_failure is None else self._first_failure
+            nothing = isinstance(exc, (FileNotFoundError, ConnectionRefusedError))
+            if nothing and now - self._first_failure >= _NO_SERVICE_S:
+                what = "no such socket" if isinstance(exc, FileNotFoundError) else "nothing listens on that socket"
+                raise ServiceUnavailableError(f"no omnifeed service at {self.address} ({what}); {start}, or point "
+                                              "the client at the socket a service serves") from None
+        if now > deadline:
+            if isinstance(exc, ServiceError) and exc.code == "busy":
+                raise ServiceUnavailableError(f"the omnifeed service at {self.address} stayed busy for "
+                                              f"{self.reconnect_timeout_s:.0f} s ({exc}); raise max_clients in its "
+                                              "config or close the connections it holds") from None
+            raise ServiceUnavailableError(f"no omnifeed service at {self.address} for {self.reconnect_timeout_s:.0f} "
+                                          f"s ({type(exc).__name__}: {exc}); {start}") from exc
+        if isinstance(exc, ServiceError) and exc.code == "busy" and not self._told_busy:
+            self._told_busy = True
+            log.warning("omnifeed service at %s is busy (%s); retrying for up to %.0f s", self.address, exc,
+                        deadline - now)
         self.reconnects += 1
         delay = min(2.0, 0.05 * 2 ** min(self.reconnects, 6))
+        if not self._reached and self._first_failure is not None:  # give up on time, not one backoff late
+            delay = max(0.05, min(delay, self._first_failure + _NO_SERVICE_S - now))
         log.info("omnifeed service at %s unreachable (%s); retrying in %.2f s", self.address, exc, delay)
         time.sleep(delay)
 
@@ -376,4 +443,15 @@ class FeedClient:
     def __del__(self) -> None:
         if getattr(self, "_sock", None) is not None:
             self._drop_connection()
+
+
+def _raise_refusal(sock: socket.socket) -> None:
+    """Raise the `ServiceError` a service sent before hanging up, if one is waiting on ``sock``; else return."""
+    sock.settimeout(1.0)
+    try:
+        reply, _ = receive(sock, MAX_REPLY_BYTES)
+    except (OSError, EOFError, ProtocolError):
+        return
+    if reply["op"] == "error":
+        raise ServiceError(str(reply.get("code", "error")), str(reply.get("message", "")))
 

@@ -196,3 +196,65 @@ def test_another_capacity_in_another_process_does_not_break_a_running_tier(tmp_p
         assert out.strip() == "None"
         assert tier.get(key(1)) == value(1)  # the shared sketch was not resized under this mapping
         assert tier.put(key(2), value(2)) and tier.get(key(2)) == value(2)
+
+
+# -- owned or refused; entries keyed with the cache's secret (docs/security.md §1) ------------------------
+
+
+def test_a_directory_others_can_write_is_refused_and_the_chain_runs_without_it(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "nvme"
+    folder.mkdir()
+    folder.chmod(0o777)
+    with caplog.at_level(logging.WARNING), CacheChain(CacheConfig(nvme=NvmeTierConfig(path=str(folder)))) as chain:
+        assert "nvme" not in chain.tiers
+        assert chain.get(key(1), lambda: value(1)) == value(1)
+    assert "running without the NVMe tier" in caplog.text and str(folder) in caplog.text and "mode 777" in caplog.text
+    assert list(folder.iterdir()) == []  # nothing was written into it
+
+
+def test_a_new_tier_is_private_with_a_secret_and_a_linked_path_of_ones_own_is_fine(tmp_path: Path) -> None:
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    (tmp_path / "real").mkdir(mode=0o700)
+    with NvmeTier(NvmeTierConfig(path=str(tmp_path / "link"), capacity_bytes=8 * 2**20)) as tier:
+        assert tier.put(key(1), value(1)) and tier.get(key(1)) == value(1)
+    secret = tmp_path / "real" / "secret"
+    assert len(secret.read_bytes()) == 32 and secret.stat().st_mode & 0o777 == 0o600
+    for name in ("data.mdb", "lock.mdb", "sketch.bin"):
+        assert (tmp_path / "real" / name).stat().st_mode & 0o077 == 0, name
+
+
+def _forge(folder: Path, entry: bytes, forged: bytes) -> None:
+    """Write ``forged`` as the entry, as a writer without the secret would: with the unkeyed checksum."""
+    import lmdb
+    import xxhash
+
+    env = lmdb.open(str(folder), max_dbs=4)
+    with env.begin(write=True) as txn:
+        checksum = xxhash.xxh3_64_digest(forged, seed=int.from_bytes(entry[:8], "little"))
+        txn.put(entry, checksum + forged, db=env.open_db(b"data", txn=txn))
+    env.close()
+
+
+def test_an_entry_forged_without_the_secret_is_not_served(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    nvme = NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=8 * 2**20)
+    with CacheChain(CacheConfig(nvme=nvme)) as chain:
+        assert chain.get(key(1), lambda: value(1)) == value(1)
+    _forge(tmp_path / "nvme", key(1), b"the attacker's bytes" * 100)
+    fetched = []
+    with caplog.at_level(logging.WARNING), CacheChain(CacheConfig(nvme=nvme)) as chain:
+        assert chain.get(key(1), lambda: fetched.append(1) or value(1)) == value(1)  # refetched, never the forgery
+        assert chain.stats()["nvme"]["corrupt"] == 1
+    assert fetched == [1] and "failed its checksum" in caplog.text
+
+
+def test_a_cache_without_a_secret_gets_one_and_drops_its_entries(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    nvme = NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=8 * 2**20)
+    with NvmeTier(nvme) as tier:
+        assert tier.put(key(1), value(1)) and tier.put(key(2), value(2))
+    (tmp_path / "nvme" / "secret").unlink()  # as a cache an earlier version wrote
+    with caplog.at_level(logging.WARNING), NvmeTier(nvme) as tier:
+        assert tier.stats()["entries"] == 0 and tier.get(key(1)) is None
+        assert tier.put(key(1), value(1)) and tier.get(key(1)) == value(1)
+    assert "dropped its 2 entries" in caplog.text

@@ -421,3 +421,13 @@ def test_loader_pickles_after_iterating(Loader: Any, num_workers: int) -> None:
     loader = Loader(Squares(), batch_size=4, num_workers=num_workers)
     first = [b["i"].tolist() for b in loader]
     assert [b["i"].tolist() for b in pickle.loads(pickle.dumps(loader))] == first
+
+
+def test_worker_count_warning_is_given_once() -> None:
+    workers = (os.cpu_count() or 1) + 1  # more than the machine suggests
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = DataLoader(list(range(8)), batch_size=4, num_workers=workers)
+        for _ in range(2):  # two epochs
+            assert len(list(loader)) == 2
+    assert sum("worker processes in total" in str(w.message) for w in caught) == 1

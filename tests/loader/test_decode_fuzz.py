@@ -11,8 +11,8 @@ import struct
 import zlib
 from collections.abc import Callable
 
+import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,23 +39,23 @@ FUZZ = settings(max_examples=40, deadline=None, suppress_health_check=[HealthChe
 
 def _check_image(data: bytes) -> None:
     out = decode_image(data, ImageDecodeConfig(size=32, max_size=64))
-    assert out.dtype == torch.uint8 and out.ndim == 3 and out.shape[0] == 3
+    assert out.dtype == np.uint8 and out.ndim == 3 and out.shape[0] == 3
 
 
 def _check_video(data: bytes) -> None:
     out = decode_video(data, VideoDecodeConfig(size=32, max_size=64, num_frames=4, max_decoded_frames=500))
-    assert out.dtype == torch.uint8 and out.ndim == 4 and out.shape[1] == 3 and 1 <= out.shape[0] <= 4
+    assert out.dtype == np.uint8 and out.ndim == 4 and out.shape[1] == 3 and 1 <= out.shape[0] <= 4
 
 
 def _check_audio(data: bytes) -> None:
     out = decode_audio(data, AudioDecodeConfig(max_seconds=30))
-    assert out.dtype == torch.float32 and out.ndim == 2 and out.shape[0] == 1
-    assert float(out.abs().max()) <= 1.0
+    assert out.dtype == np.float32 and out.ndim == 2 and out.shape[0] == 1
+    assert float(np.abs(out).max()) <= 1.0
 
 
 def _check_text(data: bytes) -> None:
     text, ids = decode_text(data, TextDecodeConfig(max_tokens=4096))
-    assert isinstance(text, str) and ids.dtype == torch.int64
+    assert isinstance(text, str) and ids.dtype == np.int64
 
 
 CHECKS: dict[str, Callable[[bytes], None]] = {
@@ -130,7 +130,7 @@ def _entry_point_value_or_decode_error(modality: str, data: bytes) -> None:
     if modality == "text":
         assert isinstance(value, tuple) and isinstance(value[0], str)
     else:
-        assert isinstance(value, torch.Tensor) and value.numel() > 0
+        assert isinstance(value, np.ndarray) and value.size > 0
 
 
 @pytest.mark.timeout(120)

@@ -187,3 +187,34 @@ def test_a_packed_feeds_audit_log_verifies_exactly_once(index: SampleIndex, tmp_
     split = [b for b in batches if any(start > 0 for start, _ in b["__info__"]["segments"])]
     assert split, "some sample is longer than a pack and was split"
     assert verify_coverage(index, 0, read_delivery_logs([log])).ok
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_len_is_the_batches_iteration_yields_from_here(index: SampleIndex, grad_accum: int) -> None:
+    with Feed(index, config(), world_size=3, rank=1, grad_accum=grad_accum) as feed:
+        expected = len(feed)
+        batches = iter(feed)
+        first = [next(batches) for _ in range(3)]
+        state = feed.state_dict()
+        assert len(feed) == expected - len(first)  # mid-step too (grad_accum 2: 3 is not a step boundary)
+        rest = list(batches)
+    assert len(first) + len(rest) == expected
+    with Feed(index, config(), world_size=3, rank=1, grad_accum=grad_accum) as resumed:
+        resumed.load_state_dict(state)
+        assert len(resumed) == len(rest)
+
+
+def test_a_user_decoder_returning_torch_tensors_gives_the_same_batches(index: SampleIndex) -> None:
+    from omnifeed.loader import DecodeConfig, make_decoder
+
+    image = make_decoder("image", DecodeConfig())
+
+    def as_tensor(data: bytes, key: str) -> torch.Tensor:  # the engine works in numpy: this is converted
+        return torch.from_numpy(image(data, key)).requires_grad_(False)  # type: ignore[arg-type]
+
+    with Feed(index, config()) as feed:
+        expected = [feed.next_batch() for _ in range(3)]
+    with Feed(index, config(), decoders={"image": as_tensor}) as feed:
+        got = [feed.next_batch() for _ in range(3)]
+    assert all(same_batch(a, b) for a, b in zip(got, expected))
+    assert any(isinstance(b.get("image", {}).get("pixels"), torch.Tensor) for b in got)

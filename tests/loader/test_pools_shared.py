@@ -19,6 +19,7 @@ from omnifeed.loader._feed_metrics import FeedMetrics
 from omnifeed.loader._feed_pipeline import FieldReader, Pipeline
 from omnifeed.loader._plan import Plan
 from omnifeed.loader._pools import DecodePools, PoolOwner
+from omnifeed.loader._torch_batch import to_torch
 
 WAIT = 10.0  # seconds: generous, only ever reached when something is broken
 
@@ -224,7 +225,8 @@ def next_batch(pipeline: Pipeline) -> dict[str, Any]:
     pending = pipeline.next_ready()
     try:
         assert all(slot.failure is None for slot in pending.slots)
-        return collate([slot.decoded for slot in pending.slots], [slot.sample.key for slot in pending.slots], {})
+        batch = collate([slot.decoded for slot in pending.slots], [slot.sample.key for slot in pending.slots], {})
+        return to_torch(batch)  # as Feed.next_batch hands it out
     finally:
         pipeline.release(pending)
 

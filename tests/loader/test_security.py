@@ -24,7 +24,7 @@ import yaml
 
 from omnifeed.cache import NvmeTierConfig, RamTierConfig
 from omnifeed.loader import IndexConfig, IndexFormatError, SampleIndex, SourceError, build_index
-from omnifeed.loader._config import load_yaml
+from omnifeed.loader._config import ConfigError, load_yaml
 from omnifeed.loader._decode import DecodeError, make_decoder
 from omnifeed.loader._decode_config import DecodeConfig
 from omnifeed.loader._records import FieldLocation, ShardSpec
@@ -74,8 +74,9 @@ def test_the_control_protocol_accepts_plain_msgpack_only(body: bytes) -> None:
 
 def test_config_files_are_read_with_yaml_safe_load(tmp_path: Path) -> None:
     (tmp_path / "feed.yaml").write_text("plan: !!python/object/apply:os.system ['echo pwned']\n")
-    with pytest.raises(yaml.constructor.ConstructorError):
+    with pytest.raises(ConfigError, match="could not determine a constructor") as caught:
         load_yaml(tmp_path / "feed.yaml")
+    assert isinstance(caught.value.__cause__, yaml.constructor.ConstructorError)
 
 
 # -- §3 sizes are bounded ------------------------------------------------------------------------------
@@ -309,4 +310,28 @@ def test_a_text_field_is_bounded_by_its_member_size_and_max_tokens() -> None:
     decoder = make_decoder("text", DecodeConfig.model_validate({"text": {"max_tokens": 8}}))
     with pytest.raises(DecodeError, match="over max_tokens = 8"):
         decoder(b"x" * 9, "k")
-    assert np.array_equal(decoder(b"x" * 8, "k")[1].numpy(), np.full(8, ord("x")))
+    assert np.array_equal(decoder(b"x" * 8, "k")[1], np.full(8, ord("x")))
+
+
+def test_a_service_refused_at_start_leaves_the_running_services_socket_alone(index_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from feed_service import short_socket_dir, start_service
+
+    from omnifeed.loader import OmnifeedError
+    from omnifeed.loader._service import FeedService
+    from omnifeed.loader._service_config import ServiceConfig
+    from omnifeed.loader._wire import request_metrics
+
+    path = short_socket_dir() / "feed.sock"
+    running = start_service(index_dir, path, tmp_path / "a.jsonl")
+    try:
+        second = FeedService(ServiceConfig(index=str(index_dir), socket=str(path)))
+        with pytest.raises(OmnifeedError):
+            second.start()  # a live service is there
+        second.stop()
+        assert path.exists()
+        assert request_metrics(str(path))["clients"] is not None
+    finally:
+        running.stop()
+        shutil.rmtree(path.parent, ignore_errors=True)

@@ -173,7 +173,7 @@ def test_prometheus_and_omnifeed_stats_show_the_running_service(index_dir: Path,
         assert samples["omnifeed_samples_total"].value >= 12
         assert samples["omnifeed_service_clients"].value == 1
         assert samples["omnifeed_client_batches_total"].value == 3
-        assert main(["stats", "--address", service.address, "--once"]) == 0
+        assert main(["stats", "--socket", service.address, "--once"]) == 0
     table = capsys.readouterr().out
     assert "image" in table and "clients 1" in table
     assert table.strip().splitlines()[-1].startswith("clients")  # the verdict line: who waits, and what limits

@@ -219,8 +219,8 @@ def test_brace_lists_and_globs_expand_in_order_without_duplicates(tmp_path, medi
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("shard-{000..003}.tar", r"shard-003\.tar does not exist"),
-        ("nothing-*.tar", "matches nothing"),
+        ("shard-{000..003}.tar", r"1 of the 4 paths it names does not exist \(shard-003\.tar\); 3 exist"),
+        ("nothing-*.tar", "no file or folder matches the pattern"),
         ("missing.parquet", "does not exist"),
         ("old.tar.gz", "re-pack it as a plain .tar"),
         ("old-{1..2}.tgz", "compressed tar"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cli_runner import CliRunner
+from omnifeed.tools._cli import _parser
 
 OMNIFEED = [str(Path(sys.executable).with_name("omnifeed"))]
 _forked: CliRunner | None = None
@@ -71,7 +73,7 @@ def test_resume_at_another_world_size_then_verify_exactly_once(index_dir: Path, 
     assert [r["step"] for r in records(second)][0] == 3, "steps continue across resumes"
     log = tmp_path / "delivery.jsonl"
     log.write_text(first + second)
-    report = json.loads(run("verify", "--index", str(index_dir), "--epoch", "0", str(log)).stdout)
+    report = json.loads(run("verify", str(index_dir), str(log), "--epoch", "0").stdout)
     assert report["ok"] and report["duplicates"] == report["missing"] == 0
     assert report["delivered"] == report["samples"]
 
@@ -89,9 +91,9 @@ def test_verify_fails_on_a_duplicate_or_a_missing_sample(index_dir: Path, tmp_pa
     lines = run("plan", str(index_dir), "--seed", "2", "--world-size", "2").stdout.splitlines()
     duplicated = tmp_path / "dup.jsonl"
     duplicated.write_text("\n".join(lines + lines[:1]) + "\n")
-    result = run("verify", "--index", str(index_dir), "--epoch", "0", str(duplicated), check=False)
+    result = run("verify", str(index_dir), "--epoch", "0", str(duplicated), check=False)  # logs after the options
     assert result.returncode == 1 and json.loads(result.stdout)["duplicates"] > 0
-    result = run("verify", "--index", str(index_dir), "--epoch", "0", "-", check=False, stdin="\n".join(lines[1:]))
+    result = run("verify", str(index_dir), "-", "--epoch", "0", check=False, stdin="\n".join(lines[1:]))
     assert result.returncode == 1 and json.loads(result.stdout)["missing"] > 0
 
 
@@ -138,13 +140,13 @@ def test_every_shuffle_mode_delivers_exactly_once_across_a_resize(index_dir: Pat
                "--shards-per-window", "1", "--batch-size", "5", "--steps", "2", "--save-state", str(state)).stdout
     tail = run("plan", str(index_dir), "--world-size", "5", "--resume", str(state)).stdout
     log.write_text(head + tail)
-    assert json.loads(run("verify", "--index", str(index_dir), "--epoch", "0", str(log)).stdout)["ok"]
+    assert json.loads(run("verify", str(index_dir), str(log), "--epoch", "0").stdout)["ok"]
 
 
 def test_a_malformed_log_line_is_named_by_file_and_line(index_dir: Path, tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
     log.write_text('{"epoch": 0, "step": 0, "rank": 0, "keys": []}\nnot json\n')
-    result = run("verify", "--index", str(index_dir), "--epoch", "0", str(log), check=False)
+    result = run("verify", str(index_dir), str(log), "--epoch", "0", check=False)
     assert result.returncode == 1 and f"{log}:2" in result.stderr
 
 
@@ -169,10 +171,115 @@ def test_bucketed_and_packed_plans_resume_at_another_world_size_exactly_once(ind
     head = run("plan", str(index_dir), "--seed", "5", "--world-size", "3", *batching, "--steps", "2", "--save-state", str(state)).stdout
     tail = run("plan", str(index_dir), "--world-size", "2", "--resume", str(state)).stdout
     log.write_text(head + tail)
-    report = json.loads(run("verify", "--index", str(index_dir), "--epoch", "0", str(log)).stdout)
+    report = json.loads(run("verify", str(index_dir), str(log), "--epoch", "0").stdout)
     assert report["ok"], report
 
 
 def test_a_sample_over_the_budget_is_named_in_a_one_line_error(index_dir: Path) -> None:
     result = run("plan", str(index_dir), "--world-size", "2", "--budget", "50", check=False)
     assert result.returncode == 1 and "sample 'sample-" in result.stderr and "over the micro-batch budget 50" in result.stderr
+
+
+def test_verify_still_takes_the_index_by_its_old_flag(index_dir: Path, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    log.write_text(run("plan", str(index_dir), "--seed", "6", "--world-size", "2").stdout)
+    for args in (["--index", str(index_dir), "--epoch", "0", str(log)], [str(index_dir), str(log), "--epoch", "0"]):
+        assert json.loads(run("verify", *args).stdout)["ok"]
+    result = run("verify", str(index_dir), "--epoch", "0", check=False)
+    assert result.returncode == 2 and "delivery logs" in result.stderr
+
+
+# -- errors are one line ------------------------------------------------------------------------
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("omnifeed: error: ")
+    return line
+
+
+def test_malformed_yaml_is_one_line_naming_file_line_and_column(tmp_path: Path) -> None:
+    config = tmp_path / "service.yaml"
+    config.write_text("index: idx\nfeed:\n  plan: {seed: 1\n  pools: {}\n")
+    line = one_line_error(run("serve", "--config", str(config), check=False))
+    assert f"{config}:4:" in line and "not valid YAML" in line
+
+
+def test_an_unknown_key_is_one_line_naming_the_closest_valid_one(tmp_path: Path) -> None:
+    config = tmp_path / "service.yaml"
+    config.write_text("index: idx\nfeed:\n  pools:\n    image: {wrkers: 2}\n")
+    line = one_line_error(run("serve", "--config", str(config), check=False))
+    assert f"{config}:4:13: feed.pools.image.wrkers: unknown key; did you mean 'workers'?" in line
+
+
+def test_a_value_out_of_range_is_one_line_with_the_allowed_range(index_dir: Path, tmp_path: Path) -> None:
+    config = tmp_path / "omnifeed.yaml"
+    config.write_text("plan:\n  seed: 1\n  batch_size: 0\n")
+    line = one_line_error(run("plan", str(index_dir), "--world-size", "2", "--config", str(config), check=False))
+    assert line.endswith(f"{config}:3:3: plan.batch_size = 0: out of range, must be at least 1")
+    line = one_line_error(run("index", "x.tar", "--out", str(tmp_path / "i"), "--partitions", "2000", check=False))
+    assert line.endswith("--partitions 2000: out of range, must be from 1 to 1024")
+
+
+def test_debug_adds_the_traceback(tmp_path: Path) -> None:
+    config = tmp_path / "service.yaml"
+    config.write_text("index: [\n")
+    for args in (["--debug", "serve", "--config", str(config)], ["serve", "--config", str(config), "--debug"]):
+        result = run(*args, check=False)
+        assert result.returncode == 1 and "Traceback (most recent call last)" in result.stderr
+        assert result.stderr.strip().splitlines()[-1].startswith(f"omnifeed: error: {config}:")
+
+
+@pytest.mark.parametrize("args", [
+    ["plan", "{missing}", "--world-size", "2"],
+    ["precache", "{missing}", "--cache", "{tmp}/cache"],
+    ["verify", "{missing}", "{tmp}/log.jsonl", "--epoch", "0"],
+    ["serve", "--config", "{missing}/service.yaml"],
+    ["index", "{tmp}/shard.tar", "--out", "{tmp}/index", "--config", "{missing}.yaml"],
+    ["plan", "{index}", "--world-size", "2", "--resume", "{tmp}/bad-state.json"],
+    ["plan", "{index}", "--world-size", "2", "--resume", "{missing}.json"],
+    ["cache", "list", "--nvme", "{missing}"],
+])
+def test_common_mistakes_are_one_line_without_a_traceback(index_dir: Path, tmp_path: Path, args: list[str]) -> None:
+    (tmp_path / "bad-state.json").write_text("{not json")
+    (tmp_path / "log.jsonl").write_text("")
+    values = {"missing": str(tmp_path / "missing"), "tmp": str(tmp_path), "index": str(index_dir)}
+    line = one_line_error(run(*(arg.format(**values) for arg in args), check=False))
+    assert "missing" in line or "bad-state.json" in line
+
+
+# -- one vocabulary, documented ------------------------------------------------------------------
+
+
+def commands() -> Iterator[tuple[str, argparse.ArgumentParser]]:
+    """Every command's parser (nested ones too: ``cache list``), by its name."""
+    stack = [("omnifeed", _parser())]
+    while stack:
+        name, parser = stack.pop()
+        yield name, parser
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                stack.extend((f"{name} {sub}", child) for sub, child in action.choices.items())
+
+
+def test_every_option_has_help_and_every_command_ends_its_help_with_examples() -> None:
+    names = set()
+    for name, parser in commands():
+        names.add(name)
+        actions = [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+        actions += [a for sub in parser._actions if isinstance(sub, argparse._SubParsersAction) for a in sub._choices_actions]
+        undocumented = [action.dest for action in actions if not (action.help or "").strip()]
+        assert not undocumented, f"{name}: options without help text: {undocumented}"
+        text = parser.format_help().rstrip().splitlines()
+        examples = text.index("examples:")
+        assert 1 <= len(text) - examples - 1 <= 2 and all(line.startswith("  omnifeed ") for line in text[examples + 1:]), name
+    assert {"omnifeed plan", "omnifeed verify", "omnifeed cache list", "omnifeed cache remove"} <= names
+
+
+def test_the_index_directory_is_the_first_positional_everywhere() -> None:
+    for name, parser in commands():
+        positionals = [a for a in parser._actions if not a.option_strings and not isinstance(a, argparse._SubParsersAction)]
+        if any(a.metavar == "INDEX_DIR" for a in positionals):
+            assert positionals[0].metavar == "INDEX_DIR", name
+        assert not any("--index" in a.option_strings and a.help != argparse.SUPPRESS for a in parser._actions), name

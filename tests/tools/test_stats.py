@@ -128,17 +128,31 @@ def wire(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
 
 def test_stats_without_a_service_exits_1_with_the_reason(wire: types.ModuleType, capsys: pytest.CaptureFixture[str],
                                                         tmp_path: Any) -> None:
-    assert main(["stats", "--address", "/nonexistent", "--once"]) == 1
+    missing = tmp_path / "feed.sock"  # in a private directory: no service there, rather than an untrusted one
+    assert main(["stats", "--socket", str(missing), "--once"]) == 1
     err = capsys.readouterr().err.strip()
-    assert err == "omnifeed: error: no omnifeed service at /nonexistent: start it with `omnifeed serve --config FILE`"
+    assert err == f"omnifeed: error: no omnifeed service at {missing}: start it with `omnifeed serve --config FILE`"
 
 
 def test_stats_once_prints_the_table_or_the_raw_snapshot(monkeypatch: pytest.MonkeyPatch, wire: types.ModuleType,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     now = snapshot(20, waited=10.0, samples=800, image={"buffer_samples": 0, "queued": 50})
     monkeypatch.setattr(wire, "request_metrics", lambda address, timeout=5.0: now)
-    assert main(["stats", "--address", "/run/omnifeed.sock", "--once"]) == 0
+    assert main(["stats", "--socket", "/run/omnifeed.sock", "--once"]) == 0
     out = capsys.readouterr().out
     assert "\x1b[" not in out and out.strip().splitlines()[-1].startswith("clients waited 50% since the start")
-    assert main(["stats", "--address", "/run/omnifeed.sock", "--once", "--json"]) == 0
+    assert main(["stats", "--socket", "/run/omnifeed.sock", "--once", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == now
+
+
+@pytest.mark.parametrize("flags", [["--socket", "/run/a.sock"], ["--address", "/run/a.sock"], []])
+def test_stats_takes_the_socket_as_serve_does_and_the_old_address_flag(
+    monkeypatch: pytest.MonkeyPatch, wire: types.ModuleType, capsys: pytest.CaptureFixture[str], flags: list[str]
+) -> None:
+    from omnifeed.loader._service_config import default_socket
+
+    asked: list[str] = []
+    monkeypatch.setattr(wire, "request_metrics", lambda address, timeout=5.0: asked.append(address) or snapshot(
+        1, waited=0.0, samples=1, image={"buffer_samples": 0, "queued": 0}))
+    assert main(["stats", *flags, "--once", "--json"]) == 0
+    assert asked == [flags[1] if flags else default_socket()]

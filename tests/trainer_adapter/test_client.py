@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -17,7 +18,8 @@ import torch
 from feed_service import ServiceProcess, short_socket_dir, write_config
 from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex, read_delivery_logs, verify_coverage
 from omnifeed.loader._service_config import ServiceConfig
-from omnifeed.loader._wire import ServiceError, request_metrics
+from omnifeed.loader._service import FeedService
+from omnifeed.loader._wire import ServiceError, ServiceUnavailableError, request_metrics
 from omnifeed.trainer_adapter import FeedClient
 
 _CLIENT = """
@@ -171,6 +173,19 @@ def test_a_saved_client_state_resumes_exactly_with_a_new_client(service: Service
     assert seen == expected
 
 
+def test_len_is_the_batches_iteration_yields_from_here_through_the_service_and_in_process(
+        service: ServiceProcess, index_dir: Path) -> None:
+    expected = len(planned_keys(index_dir, 2, 1))
+    config = ServiceConfig(index=str(index_dir), feed=feed_config(), socket=str(service.socket))
+    with FeedClient(str(service.socket), rank=1, world_size=2) as remote, \
+            FeedClient.in_process(config, rank=1, world_size=2) as local:
+        assert len(remote) == len(local) == expected
+        batches = iter(remote)
+        next(batches), next(batches)
+        assert len(remote) == expected - 2
+        assert len(list(batches)) == expected - 2
+
+
 def test_a_killed_client_leaves_no_segment_and_no_descriptor_behind(service: ServiceProcess) -> None:
     import psutil
 
@@ -224,3 +239,30 @@ def test_batches_a_client_keeps_stay_intact_while_it_reads_on(service: ServicePr
             assert batch["__key__"] == expected["__key__"]
             if "image" in expected:
                 assert torch.equal(batch["image"]["pixels"], expected["image"]["pixels"])
+
+
+@pytest.mark.timeout(60)  # far below reconnect_timeout_s: a client that never reached a service does not wait for one
+@pytest.mark.parametrize("where", ["no socket", "no directory", "a socket nobody serves"])
+def test_a_client_without_a_service_fails_soon_with_one_line_naming_the_path_and_the_command(where: str) -> None:
+    folder = short_socket_dir()
+    address = folder / ("missing" if where == "no directory" else "") / "feed.sock"
+    if where == "a socket nobody serves":  # a crashed service's socket
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as stale:
+            stale.bind(str(address))
+    with pytest.raises(ServiceUnavailableError) as refused:
+        FeedClient(str(address), reconnect_timeout_s=300).next_batch()
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"no omnifeed service at {address} (")
+    assert f"`omnifeed serve --config SERVICE_YAML --socket {address}`" in message
+
+
+@pytest.mark.timeout(120)
+def test_a_busy_service_is_reported_as_busy(index_dir: Path) -> None:
+    config = ServiceConfig(index=str(index_dir), feed=feed_config(), socket=str(short_socket_dir() / "feed.sock"),
+                           max_clients=1)
+    with FeedService(config) as running, FeedClient(running.address) as holder:
+        assert holder.next_batch()["__key__"]  # holds the one connection served
+        with pytest.raises(ServiceUnavailableError) as refused:
+            FeedClient(running.address, reconnect_timeout_s=1).next_batch()
+    message = str(refused.value)
+    assert "busy" in message and "no omnifeed service" not in message and "BrokenPipe" not in message
