@@ -25,7 +25,7 @@ import numpy as np
 
 from omnifeed.bucketing import INDEX_COLUMNS, BucketingConfig, CostModel
 from omnifeed.loader import Plan, PlanConfig, PlanCursor
-from omnifeed.loader._plan_report import PlanReport
+from omnifeed.loader.plan._report import PlanReport
 
 
 def lengths(samples: int, kind: str, seed: int = 0) -> dict[str, np.ndarray]:

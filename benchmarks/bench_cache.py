@@ -52,7 +52,7 @@ from omnifeed.loader import (  # noqa: E402
 
 from omnifeed.tools._bench import write_images  # noqa: E402
 
-from omnifeed.loader._feed_pipeline import fields_to_decode  # noqa: E402
+from omnifeed.loader.feed._pipeline import fields_to_decode  # noqa: E402
 from omnifeed.tools._precache import PrecacheJob  # noqa: E402
 from omnifeed.tools._precache_run import precache_local  # noqa: E402
 

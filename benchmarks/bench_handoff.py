@@ -59,13 +59,13 @@ import torch.utils.data as tud
 import webdataset
 
 from omnifeed.loader import FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
-from omnifeed.loader._audit import delivery_record
-from omnifeed.loader._collate import collate
-from omnifeed.loader._cursor import PlanCursor
-from omnifeed.loader._feed import Feed, Taken
-from omnifeed.loader._service import FeedService
-from omnifeed.loader._service_config import ServiceConfig
-from omnifeed.loader._torch_batch import to_torch
+from omnifeed.loader.plan._audit import delivery_record
+from omnifeed.loader.feed._collate import collate
+from omnifeed.loader.plan._cursor import PlanCursor
+from omnifeed.loader.feed._feed import Feed, Taken
+from omnifeed.loader.service._server import FeedService
+from omnifeed.loader.service._config import ServiceConfig
+from omnifeed.loader.feed._torch_batch import to_torch
 from omnifeed.tools._demo_data import encode_image
 from omnifeed.trainer_adapter import FeedClient
 

@@ -35,7 +35,7 @@ HERE = Path(__file__).resolve().parent
 
 def synthetic_tables(rows: int, shard_rows: int = 10_000):
     """Row tables shaped like a scan of ``rows`` image+caption samples, one per 'shard'."""
-    from omnifeed.loader._index import LENGTH_COLUMNS, ROW_SCHEMA
+    from omnifeed.loader.index._sample_index import LENGTH_COLUMNS, ROW_SCHEMA
 
     rng = np.random.default_rng(0)
     for shard, start in enumerate(range(0, rows, shard_rows)):
@@ -66,7 +66,7 @@ def synthetic_tables(rows: int, shard_rows: int = 10_000):
 def build(rows: int, out: Path) -> dict:
     """Write a ``rows``-row index; time it."""
     from omnifeed.loader import IndexConfig, ShardSpec
-    from omnifeed.loader._index_build import write_index_from_tables
+    from omnifeed.loader.index._build import write_index_from_tables
 
     shards = [ShardSpec(f"s3://bucket/shard-{i:06d}.tar", "tar") for i in range(-(-rows // 10_000))]
     if out.exists():

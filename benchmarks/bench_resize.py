@@ -63,10 +63,10 @@ from typing import Any
 import yaml
 
 from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex
-from omnifeed.loader._cursor import PlanCursor
-from omnifeed.loader._feed import FEED_STATE_FORMAT
-from omnifeed.loader._plan import Plan
-from omnifeed.loader._wire import request_metrics, wait_until_serving
+from omnifeed.loader.plan._cursor import PlanCursor
+from omnifeed.loader.feed._feed import FEED_STATE_FORMAT
+from omnifeed.loader.plan._plan import Plan
+from omnifeed.loader.service._protocol import request_metrics, wait_until_serving
 from omnifeed.tools._synthetic_index import make_index
 from omnifeed.trainer_adapter import FeedClient
 

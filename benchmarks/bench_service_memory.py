@@ -54,7 +54,7 @@ import psutil
 import yaml
 
 from omnifeed.loader import FeedConfig, IndexConfig, build_index
-from omnifeed.loader._wire import request_metrics, wait_until_serving
+from omnifeed.loader.service._protocol import request_metrics, wait_until_serving
 from omnifeed.tools._demo_data import DemoDatasetSpec, write_webdataset
 from omnifeed.trainer_adapter import FeedClient
 

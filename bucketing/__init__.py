@@ -8,14 +8,14 @@ from ._metrics import balance, costliest, pack_padding_fraction, padding_fractio
 from ._pack import OverlongSampleError, Pack, Segment, pack_window
 
 __all__ = [
-    "INDEX_COLUMNS",
-    "STREAMS",
     "Assembled",
     "BucketingConfig",
     "CostModel",
+    "INDEX_COLUMNS",
     "OverBudgetError",
     "OverlongSampleError",
     "Pack",
+    "STREAMS",
     "Segment",
     "assemble_budget",
     "assemble_fixed",

@@ -1,4 +1,5 @@
-"""omnifeed.loader: sources, the sample index, the deterministic plan, the feed engine, the drop-in DataLoader and delivery checks.
+"""omnifeed.loader: sources and the sample index, the deterministic plan, decoding, the feed engine, the sidecar
+service and the drop-in DataLoader (one subpackage per stage; docs/architecture.md).
 
 Importing it does not import torch (the service and the command line never need it): the
 engine works in numpy, and the torch-bound names (`DataLoader`, `ElasticBatchSampler`) load
@@ -10,28 +11,51 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._audit import CoverageReport, delivery_records, read_delivery_logs, verify_coverage
-from ._config import IndexConfig, PlanConfig
-from ._cursor import PlanCursor, Step
-from ._decode import DecodeError, make_decoder
-from ._decode_config import AudioDecodeConfig, DecodeConfig, ImageDecodeConfig, TextDecodeConfig, VideoDecodeConfig
+from ._config import StrictModel, load_yaml, validated
+from ._config_errors import ConfigError
+from ._config_errors import describe as describe_validation_error
 from ._errors import IndexFormatError, OmnifeedError, SourceError, StateMismatchError
-from ._feed import Feed
-from ._feed_config import FeedConfig, PoolConfig
-from ._healing import FeedError
-from ._index import IndexedSample, SampleIndex
-from ._index_build import IndexReport, build_index
-from ._plan import MicroBatch, Plan
-from ._records import FieldLocation, SampleLengths, ShardSpec
-from ._sources import expand_sources, read_field
+from ._modalities import FIELD_MODALITIES, META, MODALITIES
+from .decode import (
+    AudioDecodeConfig,
+    DecodeConfig,
+    DecodeError,
+    ImageDecodeConfig,
+    TextDecodeConfig,
+    VideoDecodeConfig,
+    make_decoder,
+)
+from .feed import Feed, FeedConfig, FeedError, PoolConfig
+from .index import (
+    FieldLocation,
+    IndexConfig,
+    IndexedSample,
+    IndexReport,
+    SampleIndex,
+    SampleLengths,
+    ShardSpec,
+    build_index,
+    expand_sources,
+    read_field,
+)
+from .plan import (
+    CoverageReport,
+    MicroBatch,
+    Plan,
+    PlanConfig,
+    PlanCursor,
+    Step,
+    delivery_records,
+    read_delivery_logs,
+    verify_coverage,
+)
 
 if TYPE_CHECKING:
-    from ._dataloader import DataLoader
-    from ._dataloader_elastic import ElasticBatchSampler
+    from .dataloader import DataLoader, ElasticBatchSampler
 
 # Names whose modules import torch: loaded on first use (PEP 562), so that `import omnifeed.loader`
 # (the service, every CLI command) starts without torch; only a trainer's process pays for it.
-_LAZY = {"DataLoader": "._dataloader", "ElasticBatchSampler": "._dataloader_elastic"}
+_LAZY = {"DataLoader": ".dataloader", "ElasticBatchSampler": ".dataloader"}
 
 
 def __getattr__(name: str) -> Any:
@@ -50,11 +74,13 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AudioDecodeConfig",
+    "ConfigError",
     "CoverageReport",
     "DataLoader",
     "DecodeConfig",
     "DecodeError",
     "ElasticBatchSampler",
+    "FIELD_MODALITIES",
     "Feed",
     "FeedConfig",
     "FeedError",
@@ -64,6 +90,8 @@ __all__ = [
     "IndexFormatError",
     "IndexReport",
     "IndexedSample",
+    "META",
+    "MODALITIES",
     "MicroBatch",
     "OmnifeedError",
     "Plan",
@@ -76,13 +104,17 @@ __all__ = [
     "SourceError",
     "StateMismatchError",
     "Step",
+    "StrictModel",
     "TextDecodeConfig",
     "VideoDecodeConfig",
     "build_index",
     "delivery_records",
+    "describe_validation_error",
     "expand_sources",
+    "load_yaml",
     "make_decoder",
     "read_delivery_logs",
     "read_field",
+    "validated",
     "verify_coverage",
 ]

@@ -14,9 +14,9 @@ from typing import Any
 import yaml
 
 from omnifeed.loader import FeedConfig, PlanConfig
-from omnifeed.loader._service import FeedService
-from omnifeed.loader._service_config import ServiceConfig
-from omnifeed.loader._wire import wait_until_serving
+from omnifeed.loader.service._server import FeedService
+from omnifeed.loader.service._config import ServiceConfig
+from omnifeed.loader.service._protocol import wait_until_serving
 
 _SERVE = "from omnifeed.tools._cli import main; raise SystemExit(main())"
 

@@ -73,3 +73,13 @@ def test_every_readme_snippet_runs_as_written(tmp_path: Path) -> None:
             service.wait(timeout=60)
         for segment in Path("/dev/shm").glob(f"omnifeed-ram-{ram}*"):
             segment.unlink()
+
+
+def test_the_readme_links_only_to_files_in_the_repository() -> None:
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", README.read_text(encoding="utf-8"))
+    local = [link for link in links if "://" not in link]
+    assert local, "no links found"
+    outside = [link for link in local if not (README.parent / link).resolve().is_relative_to(README.parent)]
+    assert not outside, f"links outside the repository: {outside}"
+    missing = [link for link in local if not (README.parent / link).exists()]
+    assert not missing, missing

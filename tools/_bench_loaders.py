@@ -23,9 +23,17 @@ from typing import Any
 
 import msgpack
 
-from omnifeed.loader import DecodeConfig, FeedConfig, ImageDecodeConfig, IndexConfig, PlanConfig, PoolConfig
-from omnifeed.loader._collate import Decoded, collate
-from omnifeed.loader._decode import make_decoder
+from omnifeed.loader import (
+    FIELD_MODALITIES,
+    DecodeConfig,
+    FeedConfig,
+    ImageDecodeConfig,
+    IndexConfig,
+    PlanConfig,
+    PoolConfig,
+)
+from omnifeed.loader.feed import Decoded, collate
+from omnifeed.loader.decode import make_decoder
 
 PIPELINES = ("image", "mixed")
 LOADERS = ("omnifeed", "omnifeed-draft", "omnifeed-service", "dataloader", "webloader", "statefuldataloader",
@@ -79,7 +87,7 @@ class SampleDecoder:
 
 def collate_samples(samples: list[tuple[str, Decoded]]) -> dict[str, Any]:
     """omnifeed's batch format for the peers (the same padding work the feed does), as torch tensors as the feed hands it out."""
-    from omnifeed.loader._torch_batch import to_torch
+    from omnifeed.loader.feed import to_torch
 
     batch: dict[str, Any] = to_torch(collate([s for _, s in samples], [k for k, _ in samples], {}))
     return batch
@@ -240,7 +248,7 @@ def feed_config(spec: RunSpec, draft: bool = False) -> FeedConfig:
                  "text": PoolConfig(workers=0), "meta": PoolConfig(workers=0)}
         shared = 0
     else:
-        pools = {m: PoolConfig(workers=0) for m in ("text", "image", "video", "audio", "meta")}
+        pools = {m: PoolConfig(workers=0) for m in FIELD_MODALITIES}
         shared = spec.workers
     return FeedConfig(plan=PlanConfig(seed=0, batch_size=spec.batch_size), decode=decode_config(spec.pipeline, draft),
                       pools=pools, shared_workers=shared)
@@ -248,7 +256,7 @@ def feed_config(spec: RunSpec, draft: bool = False) -> FeedConfig:
 
 def run_omnifeed(spec: RunSpec, draft: bool = False) -> Iterable[dict[str, Any]]:
     """omnifeed's trainer client with the feed in this process."""
-    from omnifeed.loader._service_config import ServiceConfig
+    from omnifeed.loader.service import ServiceConfig
     from omnifeed.trainer_adapter import FeedClient
 
     config = ServiceConfig(index=spec.index, feed=feed_config(spec, draft), socket=str(Path(spec.work) / "unused.sock"))
@@ -259,7 +267,7 @@ def run_omnifeed_service(spec: RunSpec) -> Iterable[dict[str, Any]]:
     """`omnifeed serve` in a child process and a FeedClient reading from it over shared memory."""
     import yaml
 
-    from omnifeed.loader._wire import wait_until_serving
+    from omnifeed.loader.service import wait_until_serving
     from omnifeed.trainer_adapter import FeedClient
 
     Path(spec.work).chmod(0o700)  # the service refuses a socket directory other users can enter

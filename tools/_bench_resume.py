@@ -166,10 +166,9 @@ def read_expected(work: Path) -> list[Any]:
 def omnifeed_save(options: argparse.Namespace) -> dict[str, Any]:
     """The index (cached), a plan cursor stepped for real to the position, its feed state and next keys."""
     from omnifeed.loader import SampleIndex
-    from omnifeed.loader._cursor import PlanCursor
-    from omnifeed.loader._feed import FEED_STATE_FORMAT
-    from omnifeed.loader._plan import Plan
-    from omnifeed.tools._synthetic_index import make_index
+    from omnifeed.loader.feed import FEED_STATE_FORMAT
+    from omnifeed.loader.plan import Plan, PlanCursor
+    from ._synthetic_index import make_index
 
     options.work.mkdir(parents=True, exist_ok=True)
     path, built = make_index(options.work, options.samples)
@@ -197,8 +196,7 @@ def omnifeed_config(options: argparse.Namespace) -> Any:
 def omnifeed_resume(options: argparse.Namespace) -> dict[str, Any]:
     """Open the index and plan; time cursor load + next step + key lookup, then a whole decoding Feed."""
     from omnifeed.loader import Feed, SampleIndex
-    from omnifeed.loader._cursor import PlanCursor
-    from omnifeed.loader._plan import Plan
+    from omnifeed.loader.plan import Plan, PlanCursor
 
     config = omnifeed_config(options)
     started = time.perf_counter()

@@ -29,7 +29,7 @@ import psutil
 import yaml
 
 from omnifeed.loader import IndexConfig, SampleIndex, build_index, read_delivery_logs
-from omnifeed.loader._wire import request_metrics
+from omnifeed.loader.service import request_metrics
 
 from ._chaos_procs import Job, Service, marked_processes
 from ._chaos_report import Resources, Verdict, render, verify_audit

@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from omnifeed.loader._wire import wait_until_serving
+from omnifeed.loader.service import wait_until_serving
 
 MARKER = "OMNIFEED_CHAOS_RUN"
 _GRACE_S = 5.0

@@ -25,16 +25,17 @@ from omnifeed.loader import (
     PlanConfig,
     PlanCursor,
     SampleIndex,
+    Step,
     build_index,
     delivery_records,
+    describe_validation_error,
+    load_yaml,
     read_delivery_logs,
+    validated,
     verify_coverage,
 )
-from omnifeed.loader._config import load_yaml, validated
-from omnifeed.loader._config_errors import describe as describe_validation_error
-from omnifeed.loader._cursor import Step
-from omnifeed.loader._plan_report import PlanReport
-from omnifeed.loader._index_build import default_workers
+from omnifeed.loader.index import default_workers
+from omnifeed.loader.plan import PlanReport
 
 from ._bench_loaders import LOADERS as BENCH_LOADERS
 from ._cache_cmd import add_cache_command
@@ -322,7 +323,7 @@ def _run_index(args: argparse.Namespace) -> int:
         values[flag] = getattr(args, flag)
     config = validated(IndexConfig, values, source=args.config, section=("index",), flags=flags)
     if args.ray is not None:
-        from omnifeed.loader._index_ray import build_index_ray
+        from omnifeed.loader.index import build_index_ray
 
         _check_ray_flags(args)
         report = build_index_ray(args.sources, args.out, config, address=args.ray, progress=not args.no_progress)
@@ -521,8 +522,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from omnifeed.loader._service import FeedService
-    from omnifeed.loader._service_config import ServiceConfig
+    from omnifeed.loader.service import FeedService, ServiceConfig
 
     config = ServiceConfig.from_yaml(args.config)
     overrides = {k: v for k, v in (("socket", args.socket), ("metrics_port", args.metrics_port)) if v is not None}
@@ -609,8 +609,7 @@ def _run_stats(args: argparse.Namespace) -> int:
     """Print the service's metrics table (or JSON) every ``--interval`` seconds; once with ``--once``."""
     import time
 
-    from omnifeed.loader._service_config import default_socket
-    from omnifeed.loader._wire import request_metrics
+    from omnifeed.loader.service import default_socket, request_metrics
 
     from ._stats import render_stats
 

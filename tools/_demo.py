@@ -23,6 +23,7 @@ import yaml
 
 from omnifeed.cache import NvmeTierConfig
 from omnifeed.loader import (
+    MODALITIES,
     IndexConfig,
     Plan,
     PlanConfig,
@@ -34,8 +35,7 @@ from omnifeed.loader import (
     read_field,
     verify_coverage,
 )
-
-from omnifeed.loader._wire import request_metrics, wait_until_serving
+from omnifeed.loader.service import request_metrics, wait_until_serving
 
 from ._demo_data import DemoDatasetSpec, write_webdataset
 from ._output_dir import prepare_output_dir
@@ -231,7 +231,7 @@ def _describe(lengths: Any, modality: str) -> str:
 
 def _lengths_table(say: _Reporter, manifest: dict[str, Any]) -> None:
     counts = manifest["modalities"]
-    say("samples with: " + ", ".join(f"{m} {counts[m]}" for m in ("text", "image", "video", "audio")))
+    say("samples with: " + ", ".join(f"{m} {counts[m]}" for m in MODALITIES))
     say(f"{'length':<18}{'min':>10}{'p50':>10}{'p90':>10}{'max':>10}")
     for name, stats in manifest["lengths"].items():
         say(f"{name:<18}" + "".join(f"{stats[k]:>10.5g}" for k in ("min", "p50", "p90", "max")))

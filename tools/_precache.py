@@ -28,9 +28,7 @@ import pyarrow.parquet as pq
 
 from omnifeed.cache import CacheConfig, NvmeTier, NvmeTierConfig, RemoteTierConfig
 from omnifeed.loader import DecodeConfig, FieldLocation, IndexedSample, SampleIndex, make_decoder
-from omnifeed.loader._decoded_codec import encode_decoded
-from omnifeed.loader._feed_pipeline import fields_to_decode
-from omnifeed.loader._field_source import FieldSource
+from omnifeed.loader.feed import FieldSource, encode_decoded, fields_to_decode
 
 _CHUNK_SAMPLES = 256  # index rows looked up at once
 _FAILURES_KEPT = 50  # per task: named in the report; the rest are counted

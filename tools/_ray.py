@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from omnifeed.loader import OmnifeedError
-from omnifeed.loader._index_ray import ray_session
+from omnifeed.loader.index import ray_session
 
 from ._precache import Counts, PartitionResult, PrecacheJob, run_partition
 from ._precache_run import PrecacheReport, RunTracker

@@ -20,9 +20,9 @@ import pyarrow as pa
 import webdataset
 
 from omnifeed.loader import IndexConfig, SampleIndex, build_index
-from omnifeed.loader._index import ROW_SCHEMA
-from omnifeed.loader._index_build import write_index_from_tables
-from omnifeed.tools._demo_data import encode_image
+from omnifeed.loader.index import ROW_SCHEMA
+from omnifeed.loader.index import write_index_from_tables
+from ._demo_data import encode_image
 
 from ._output_dir import ForeignDirectoryError
 

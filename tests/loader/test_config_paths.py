@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from omnifeed.loader import FeedConfig
-from omnifeed.loader._service_config import ServiceConfig
+from omnifeed.loader.service._config import ServiceConfig
 
 
 @pytest.fixture

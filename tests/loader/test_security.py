@@ -25,13 +25,13 @@ import yaml
 from omnifeed.cache import NvmeTierConfig, RamTierConfig
 from omnifeed.loader import IndexConfig, IndexFormatError, SampleIndex, SourceError, build_index
 from omnifeed.loader._config import ConfigError, load_yaml
-from omnifeed.loader._decode import DecodeError, make_decoder
-from omnifeed.loader._decode_config import DecodeConfig
-from omnifeed.loader._records import FieldLocation, ShardSpec
-from omnifeed.loader._scan import scan_shard
-from omnifeed.loader._service_arena import Segment
-from omnifeed.loader._sources import read_field
-from omnifeed.loader._wire import MAX_REPLY_BYTES, MAX_REQUEST_BYTES, ProtocolError, decode, receive
+from omnifeed.loader.decode._registry import DecodeError, make_decoder
+from omnifeed.loader.decode._config import DecodeConfig
+from omnifeed.loader.index._records import FieldLocation, ShardSpec
+from omnifeed.loader.index._scan import scan_shard
+from omnifeed.loader.service._arena import Segment
+from omnifeed.loader.index._sources import read_field
+from omnifeed.loader.service._protocol import MAX_REPLY_BYTES, MAX_REQUEST_BYTES, ProtocolError, decode, receive
 from omnifeed.tools._demo_data import encode_flac
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ DANGEROUS = re.compile(
     r"|\bdill\b|\bcloudpickle\b|\bshelve\b|jsonpickle|allow_pickle\s*=\s*True|torch\.load\((?!.*weights_only=True)"
 )
 ALLOWED = {
-    ("loader/_dataloader_handoff.py", "Unpickler"):
+    ("loader/dataloader/_handoff.py", "Unpickler"):
         "the drop-in DataLoader's batches from its own worker processes (as torch's DataLoader does)",
 }
 
@@ -319,9 +319,9 @@ def test_a_service_refused_at_start_leaves_the_running_services_socket_alone(ind
     from feed_service import short_socket_dir, start_service
 
     from omnifeed.loader import OmnifeedError
-    from omnifeed.loader._service import FeedService
-    from omnifeed.loader._service_config import ServiceConfig
-    from omnifeed.loader._wire import request_metrics
+    from omnifeed.loader.service._server import FeedService
+    from omnifeed.loader.service._config import ServiceConfig
+    from omnifeed.loader.service._protocol import request_metrics
 
     path = short_socket_dir() / "feed.sock"
     running = start_service(index_dir, path, tmp_path / "a.jsonl")

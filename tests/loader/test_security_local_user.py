@@ -25,9 +25,9 @@ import pytest
 
 from omnifeed.cache import CacheConfig, NvmeTierConfig
 from omnifeed.loader import Feed, FeedConfig, OmnifeedError, PlanConfig
-from omnifeed.loader._service import FeedService
-from omnifeed.loader._service_config import ServiceConfig
-from omnifeed.loader._wire import UntrustedServiceError, encode
+from omnifeed.loader.service._server import FeedService
+from omnifeed.loader.service._config import ServiceConfig
+from omnifeed.loader.service._protocol import UntrustedServiceError, encode
 from omnifeed.trainer_adapter import FeedClient
 
 PROBE = "omnifeed-probe"
@@ -273,7 +273,7 @@ def test_a_planted_audit_log_is_refused_at_service_start(other_user: OtherUser, 
 
 
 def test_a_new_audit_log_is_private_and_an_own_one_open_to_others_is_refused(tmp_path: Path, index_dir: Path) -> None:
-    from omnifeed.loader._audit import open_audit_log
+    from omnifeed.loader.plan._audit import open_audit_log
 
     with open_audit_log(tmp_path / "audit.jsonl") as log:
         log.write("{}\n")

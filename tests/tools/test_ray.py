@@ -14,8 +14,8 @@ import pytest
 
 from omnifeed.cache import NvmeTier, NvmeTierConfig
 from omnifeed.loader import DecodeConfig, IndexConfig, SampleIndex, build_index
-from omnifeed.loader._decode_config import ImageDecodeConfig
-from omnifeed.loader._index_ray import build_index_ray
+from omnifeed.loader.decode._config import ImageDecodeConfig
+from omnifeed.loader.index._ray_build import build_index_ray
 from omnifeed.tools._precache import PrecacheJob
 from omnifeed.tools._precache_run import precache_local
 from omnifeed.tools._ray import precache_on_ray

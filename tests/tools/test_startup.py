@@ -60,8 +60,8 @@ def test_the_service_module_and_its_config_do_not_import_torch(index_dir: Path) 
     got = fresh(
         "import json, sys\n"
         "from omnifeed.loader import FeedConfig, PlanConfig\n"
-        "from omnifeed.loader._service import FeedService\n"
-        "from omnifeed.loader._service_config import ServiceConfig\n"
+        "from omnifeed.loader.service._server import FeedService\n"
+        "from omnifeed.loader.service._config import ServiceConfig\n"
         f"config = ServiceConfig(index={str(index_dir)!r}, feed=FeedConfig(plan=PlanConfig(batch_size=4)))\n"
         "print(json.dumps({'torch': 'torch' in sys.modules}))\n"
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import importlib
 import json
-import sys
 import types
 from typing import Any
 
@@ -108,22 +107,9 @@ def test_the_table_shows_rates_over_the_interval() -> None:
 
 
 @pytest.fixture
-def wire(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
-    """``omnifeed.loader._wire``, or a stand-in with ``request_metrics`` while the real one is not there yet."""
-    try:
-        module = importlib.import_module("omnifeed.loader._wire")
-        if hasattr(module, "request_metrics"):
-            return module
-    except ImportError:
-        pass
-    stub = types.ModuleType("omnifeed.loader._wire")
-
-    def request_metrics(address: str, timeout: float = 5.0) -> dict[str, Any]:
-        raise FileNotFoundError(2, "No such file or directory", address)
-
-    stub.request_metrics = request_metrics  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "omnifeed.loader._wire", stub)
-    return stub
+def wire() -> types.ModuleType:
+    """``omnifeed.loader.service``, whose ``request_metrics`` the command line calls (tests replace it)."""
+    return importlib.import_module("omnifeed.loader.service")
 
 
 def test_stats_without_a_service_exits_1_with_the_reason(wire: types.ModuleType, capsys: pytest.CaptureFixture[str],
@@ -149,7 +135,7 @@ def test_stats_once_prints_the_table_or_the_raw_snapshot(monkeypatch: pytest.Mon
 def test_stats_takes_the_socket_as_serve_does_and_the_old_address_flag(
     monkeypatch: pytest.MonkeyPatch, wire: types.ModuleType, capsys: pytest.CaptureFixture[str], flags: list[str]
 ) -> None:
-    from omnifeed.loader._service_config import default_socket
+    from omnifeed.loader.service._config import default_socket
 
     asked: list[str] = []
     monkeypatch.setattr(wire, "request_metrics", lambda address, timeout=5.0: asked.append(address) or snapshot(

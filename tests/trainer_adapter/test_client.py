@@ -17,9 +17,9 @@ import torch
 
 from feed_service import ServiceProcess, short_socket_dir, write_config
 from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex, read_delivery_logs, verify_coverage
-from omnifeed.loader._service_config import ServiceConfig
-from omnifeed.loader._service import FeedService
-from omnifeed.loader._wire import ServiceError, ServiceUnavailableError, request_metrics
+from omnifeed.loader.service._config import ServiceConfig
+from omnifeed.loader.service._server import FeedService
+from omnifeed.loader.service._protocol import ServiceError, ServiceUnavailableError, request_metrics
 from omnifeed.trainer_adapter import FeedClient
 
 _CLIENT = """

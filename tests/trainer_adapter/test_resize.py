@@ -11,9 +11,9 @@ import torch
 
 from feed_service import short_socket_dir
 from omnifeed.loader import FeedConfig, FeedError, PlanConfig, SampleIndex, read_delivery_logs, verify_coverage
-from omnifeed.loader._service import FeedService
-from omnifeed.loader._service_config import ServiceConfig
-from omnifeed.loader._wire import ServiceError
+from omnifeed.loader.service._server import FeedService
+from omnifeed.loader.service._config import ServiceConfig
+from omnifeed.loader.service._protocol import ServiceError
 from omnifeed.trainer_adapter import FeedClient, scale_learning_rate, topology_hints
 
 

@@ -1,0 +1,137 @@
+"""Images with Pillow: bytes → uint8 [3, H, W] RGB, resized by policy, bombs refused from the header.
+
+- Format: only ``config.formats`` are identified (others are 'corrupt'; a multi-picture
+  JPEG, MPO, counts as JPEG); the first frame of animated or multi-page files.
+- Guard: ``width × height`` from the header over ``config.max_pixels`` is 'bomb' before any
+  pixel is decoded (Pillow's own guard, ``PIL.Image.MAX_IMAGE_PIXELS`` × 2, raises 'bomb' too).
+- Colour: palette, grey, grey+alpha, RGBA, CMYK and YCbCr become RGB; alpha is dropped
+  (not composited); 16-bit grey keeps its high byte; float ('F') is clipped to 0–255.
+- Orientation: the EXIF orientation tag is NOT applied, so sizes agree with the index and
+  the cost model, which measure the stored pixels.
+- Resize: `resized_size` (the cost model's arithmetic); ``crop='center'`` resizes the centred
+  square of the source straight to ``size × size`` (one resample, no intermediate image).
+  JPEG draft mode (``config.draft``) lets libjpeg decode at 1/2, 1/4 or 1/8 scale when that is
+  still at least the target size; the output size never changes.
+- Errors: 'empty' (no bytes), 'truncated' (Pillow: "image file is truncated", or end of
+  data), 'bomb', 'corrupt' (anything else Pillow rejects), 'unsupported' (a pixel mode
+  that has no RGB conversion). ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES = True`` (a global
+  Pillow switch) would make truncated files decode grey-filled instead.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import numpy as np
+from PIL import Image
+
+from ._common import DecodeError, center_square, resized_size
+from ._config import ImageDecodeConfig
+
+logger = logging.getLogger(__name__)
+
+_RESAMPLE = {
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+}
+
+
+def image_error(exc: Exception, key: str) -> DecodeError:
+    """The `DecodeError` for an exception Pillow raised on ``key``'s bytes."""
+    if isinstance(exc, Image.DecompressionBombError):
+        return DecodeError(f"Pillow refused the header: {exc}", key, "image", "bomb")
+    if isinstance(exc, Image.UnidentifiedImageError):
+        return DecodeError("not an image in an accepted format", key, "image", "corrupt")
+    text = f"{type(exc).__name__}: {exc}"
+    reason = "truncated" if isinstance(exc, EOFError) or "truncated" in str(exc) else "corrupt"
+    return DecodeError(text, key, "image", reason)
+
+
+def checked_size(image: Image.Image, max_pixels: int, key: str) -> tuple[int, int]:
+    """(width, height) from an opened image's header; 'corrupt' if empty, 'bomb' if too large."""
+    width, height = image.size
+    if width < 1 or height < 1:
+        raise DecodeError(f"header declares a {width}x{height} image", key, "image", "corrupt")
+    if width * height > max_pixels:
+        raise DecodeError(
+            f"header declares {width}x{height} = {width * height} pixels, over max_pixels = {max_pixels}",
+            key, "image", "bomb",
+        )
+    return width, height
+
+
+def output_geometry(
+    width: int, height: int, config: ImageDecodeConfig
+) -> tuple[tuple[int, int], tuple[float, float, float, float], tuple[int, int]]:
+    """(output size, source box it is resampled from, size the whole source would scale to)."""
+    if config.crop == "center":
+        whole = resized_size(width, height, "short_side", config.size, max(width, height) * config.size)
+        return (config.size, config.size), center_square(width, height), whole
+    out = resized_size(width, height, config.resize, config.size, config.max_size)
+    return out, (0.0, 0.0, float(width), float(height)), out
+
+
+def _to_rgb_or_grey(image: Image.Image, key: str) -> Image.Image:
+    """The image in mode 'RGB' or 'L' (grey stays grey until after the resize: 3× less work)."""
+    mode = image.mode
+    if mode in ("RGB", "L"):
+        return image
+    if mode.startswith("I;16") or mode == "I":
+        return Image.fromarray((np.clip(np.asarray(image), 0, 65535) >> 8).astype(np.uint8), "L")
+    if mode == "F":
+        return Image.fromarray(np.clip(np.asarray(image), 0, 255).astype(np.uint8), "L")
+    if mode in ("1", "LA", "La"):
+        return image.convert("L")
+    if mode == "P" and "transparency" in image.info:
+        return image.convert("RGBA").convert("RGB")
+    try:
+        return image.convert("RGB")
+    except ValueError as exc:
+        raise DecodeError(f"pixel mode {mode!r} has no RGB conversion ({exc})", key, "image", "unsupported") from exc
+
+
+def _decode(data: bytes, config: ImageDecodeConfig, key: str) -> np.ndarray:
+    with Image.open(io.BytesIO(data), formats=list(config.formats)) as image:
+        width, height = checked_size(image, config.max_pixels, key)
+        out, box, whole = output_geometry(width, height, config)
+        scale = 1.0
+        if config.draft and config.resize != "none" and image.format in ("JPEG", "MPO"):  # MPO: multi-picture JPEG
+            drafted = image.draft(None, whole)  # picks 1/s with the decoded image still >= whole
+            if drafted is not None:
+                scale = drafted[1][2] / width
+        image.load()
+        pixels = _to_rgb_or_grey(image, key)
+        src_box = (box[0] * scale, box[1] * scale, box[2] * scale, box[3] * scale)
+        if pixels.size != out or src_box != (0.0, 0.0, float(pixels.width), float(pixels.height)):
+            pixels = pixels.resize(out, _RESAMPLE[config.resample], box=src_box)
+        if pixels.mode == "L":
+            pixels = pixels.convert("RGB")
+        return np.asarray(pixels)
+
+
+def hwc_to_chw(array: np.ndarray) -> np.ndarray:
+    """A contiguous uint8 [C, H, W] array from an [H, W, C] array (one strided copy)."""
+    out = np.empty((array.shape[2], array.shape[0], array.shape[1]), dtype=np.uint8)
+    out[...] = array.transpose(2, 0, 1)
+    return out
+
+
+def decode_image(data: bytes, config: ImageDecodeConfig, key: str = "?") -> np.ndarray:
+    """Decode an encoded image into a uint8 [3, H, W] RGB array resized by ``config``.
+
+    Raises DecodeError (reason 'empty', 'truncated', 'corrupt', 'bomb' or 'unsupported') on
+    bad input; MemoryError and KeyboardInterrupt propagate.
+    """
+    if not data:
+        raise DecodeError("the field is zero bytes long", key, "image", "empty")
+    try:
+        array = _decode(data, config, key)
+    except DecodeError:
+        raise
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise image_error(exc, key) from exc
+    return hwc_to_chw(array)

@@ -1,0 +1,32 @@
+"""Decoding one field's bytes in a worker process, for modalities configured with ``PoolConfig.processes``.
+
+Reads happen in the feed's I/O threads (through the cache chain); a worker process only
+decodes. The decoder is rebuilt from the ``DecodeConfig`` once per process and kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ._registry import make_decoder
+from ._common import as_numpy
+from ._config import DecodeConfig
+
+Decoder = Callable[[bytes, str], Any]
+_PROCESS_DECODERS: dict[tuple[str, str], Decoder] = {}
+
+
+def decode_in_process(modality: str, data: bytes, key: str, config: DecodeConfig) -> Any:
+    """Decode ``data`` in a worker process with the decoder of ``config``.
+
+    Values travel back as numpy arrays (what the decoders return), pickled by value through
+    the pipe. (A torch tensor would go through torch's multiprocessing reduction, one
+    shared-memory segment and file descriptor per tensor — several times slower for one image,
+    and a leak risk.)
+    """
+    cache_key = (modality, config.model_dump_json())
+    decoder = _PROCESS_DECODERS.get(cache_key)
+    if decoder is None:
+        decoder = _PROCESS_DECODERS[cache_key] = make_decoder(modality, config)
+    return as_numpy(decoder(data, key))

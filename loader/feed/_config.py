@@ -1,0 +1,99 @@
+"""`FeedConfig`: everything the feed engine needs besides the index, as validated data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ...cache import CacheConfig
+from .._config import load_yaml, validated
+from ..plan._config import PlanConfig
+from .._config_paths import FEED_PATHS, resolve_paths
+from ..decode._config import DecodeConfig
+
+
+
+class PoolConfig(BaseModel):
+    """One modality's decode workers and its bounded ready buffer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    workers: int = Field(default=1, ge=0, description="Threads dedicated to this modality.")
+    processes: int = Field(
+        default=0, ge=0,
+        description="Worker processes that decode this modality (0: decode in the threads). For decoders that "
+        "hold the GIL; the threads then only hand tasks to the processes and wait, so give twice as many "
+        "threads as processes to keep them busy.",
+    )
+    buffer_samples: int = Field(default=256, ge=1, description="Samples of this modality decoded ahead, at most.")
+    buffer_bytes: int = Field(default=512 * 2**20, ge=1, description="Bytes of decoded output held ahead, at most.")
+
+
+def _default_pools() -> dict[str, PoolConfig]:
+    return {
+        "text": PoolConfig(workers=1, buffer_samples=1024),
+        "image": PoolConfig(workers=2, buffer_samples=256),
+        "video": PoolConfig(workers=1, buffer_samples=16, buffer_bytes=1024 * 2**20),
+        "audio": PoolConfig(workers=1, buffer_samples=64),
+        "meta": PoolConfig(workers=0, buffer_samples=1024),
+    }
+
+
+class FeedConfig(BaseModel):
+    """The feed: which micro-batches (plan), how fields decode, and the pools that decode them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    plan: PlanConfig = Field(default_factory=PlanConfig, description="The micro-batch sequence.")
+    decode: DecodeConfig = Field(default_factory=DecodeConfig, description="Per-modality decoding.")
+    pools: dict[str, PoolConfig] = Field(default_factory=_default_pools, description="Per-modality pools.")
+    shared_workers: int = Field(
+        default=1, ge=0, description="Threads that serve whichever modality's buffer is emptiest (by fill fraction)."
+    )
+    prefetch_steps: int = Field(default=4, ge=1, description="Steps of this rank planned and queued ahead.")
+    cache: CacheConfig = Field(
+        default_factory=CacheConfig,
+        description="Cache tiers (RAM, NVMe) and origin reads (timeouts, retries, latency monitor, I/O threads).",
+    )
+    error_budget: float = Field(
+        default=0.01, ge=0, le=1, description="Fraction of samples that may fail before the feed stops with an error."
+    )
+    error_budget_min_samples: int = Field(
+        default=200, ge=1, description="Samples read before the error budget is enforced."
+    )
+
+    @model_validator(mode="after")
+    def _budgets_match_decoding(self) -> FeedConfig:
+        """With bucketing, the cost model must charge for the sizes the decoders will produce."""
+        bucketing = self.plan.bucketing
+        if bucketing is None:
+            return self
+        cost, image = bucketing.cost, self.decode.image
+        expected = ("fixed", image.size) if image.crop == "center" else (image.resize, image.size)
+        charged = (cost.image_resize, cost.image_size)
+        if expected != charged or (image.resize == "short_side" and image.crop == "none" and cost.max_image_size != image.max_size):
+            raise ValueError(
+                f"the plan's cost model charges images as {charged[0]} {charged[1]} (max {cost.max_image_size}) but "
+                f"decode.image produces {expected[0]} {expected[1]} (max {image.max_size}): set "
+                "plan.bucketing.cost.image_resize/image_size/max_image_size to match (crop 'center' is 'fixed')"
+            )
+        frames = self.decode.video.num_frames
+        if frames is not None and cost.video_max_frames != frames:
+            raise ValueError(
+                f"decode.video.num_frames is {frames} but plan.bucketing.cost.video_max_frames is "
+                f"{cost.video_max_frames}: set them equal so video budgets count the frames decoded"
+            )
+        return self
+
+    def pool(self, modality: str) -> PoolConfig:
+        """The pool configuration of ``modality`` (a default one when not configured)."""
+        return self.pools.get(modality) or _default_pools().get(modality, PoolConfig())
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> FeedConfig:
+        """Load a feed config from YAML: top-level ``plan``, ``decode``, ``pools``, ... (see docs/config.md)."""
+        data: dict[str, Any] = load_yaml(path)
+        data.pop("index", None)  # the same file may configure `omnifeed index`
+        return validated(cls, resolve_paths(data, Path(path), FEED_PATHS), source=path)

@@ -1,0 +1,97 @@
+"""Where a field's bytes come from: the cache chain (RAM → NVMe), else the origin through the remote tier.
+
+Entries are keyed by (index fingerprint, sample key, field, transform version): ``raw`` for
+the stored bytes, or a digest of the modality's decode settings for decoded entries, so a
+re-indexed source or a changed resize never meets an old entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Literal
+
+import xxhash
+
+from .._modalities import MODALITIES
+from ...cache import CacheChain, CacheConfig, entry_key
+from ..decode._config import DecodeConfig
+from ._decoded_codec import DecodedEntryError, decode_decoded, encode_decoded
+from ..index._sample_index import IndexedSample
+from ..index._records import FieldLocation
+from ..index._sources import read_field
+
+log = logging.getLogger(__name__)
+
+DECODED_FORMAT = "omnifeed.decoded/1"  # bump when a decoder's output changes for the same settings
+RAW = "raw"
+
+Loaded = tuple[Literal["raw", "decoded"], Any]
+"""("raw", bytes as stored) or ("decoded", the decoder's output from a decoded entry)."""
+
+
+def transform_version(modality: str, decode: DecodeConfig) -> str:
+    """The version tag of decoded entries of ``modality`` under ``decode``."""
+    settings = getattr(decode, modality).model_dump_json()
+    return xxhash.xxh3_64_hexdigest(f"{DECODED_FORMAT}|{modality}|{settings}".encode())
+
+
+class FieldSource:
+    """Loads fields through the cache chain; stores decoded values when entries are decoded."""
+
+    def __init__(self, config: CacheConfig, namespace: str, decode: DecodeConfig,
+                 custom: frozenset[str] = frozenset()) -> None:
+        self.config, self.namespace = config, namespace
+        self.chain = CacheChain(config)
+        # decoded entries for the built-in decoders only: a user's decoder has no version to key by
+        self._versions = {m: transform_version(m, decode) for m in MODALITIES if m not in custom}
+        self._decoded = config.entries == "decoded"
+
+    def raw_key(self, sample: IndexedSample, location: FieldLocation) -> bytes:
+        """Cache key of the field's stored bytes."""
+        return entry_key(self.namespace, sample.key, location.name, RAW)
+
+    def decoded_key(self, sample: IndexedSample, location: FieldLocation) -> bytes | None:
+        """Cache key of the field's decoded value, or None when decoded values are not cached for it."""
+        version = self._versions.get(location.modality) if self._decoded else None
+        return None if version is None else entry_key(self.namespace, sample.key, location.name, version)
+
+    def origin(self, sample: IndexedSample, location: FieldLocation) -> bytes:
+        """The field's bytes from its source (ranged read), through the remote tier's timeout, retries and monitor."""
+        reader = functools.partial(read_field, sample.shard, location, row_group=sample.row_group, row=sample.row)
+        return self.chain.remote.read(sample.shard.url, reader)
+
+    def load(self, sample: IndexedSample, location: FieldLocation) -> Loaded:
+        """The decoded entry if one is cached, else the raw bytes (from a tier, or the origin filling the tiers)."""
+        key = self.decoded_key(sample, location)
+        if key is not None:
+            entry = self.chain.lookup(key)
+            if entry is not None:
+                try:
+                    return "decoded", decode_decoded(entry)
+                except DecodedEntryError as exc:
+                    log.warning("cached decoded entry of %r field %r is unreadable (%s): decoding again",
+                                sample.key, location.name, exc)
+            return "raw", self.origin(sample, location)
+        if not self.chain.tiers:
+            return "raw", self.origin(sample, location)
+        return "raw", self.chain.get(self.raw_key(sample, location), lambda: self.origin(sample, location))
+
+    def remember(self, sample: IndexedSample, location: FieldLocation, value: Any) -> None:
+        """Cache a freshly decoded value (decoded entries only)."""
+        key = self.decoded_key(sample, location)
+        if key is not None and self.chain.tiers:
+            self.chain.store(key, encode_decoded(value))
+
+    @property
+    def degraded(self) -> bool:
+        """Whether the origin's read latency is over its threshold now."""
+        return self.chain.remote.degraded
+
+    def stats(self) -> dict[str, Any]:
+        """Per-tier statistics of the chain."""
+        return self.chain.stats()
+
+    def close(self) -> None:
+        """Close the chain (idempotent)."""
+        self.chain.close()

@@ -1,0 +1,344 @@
+"""The running part of a feed: a scheduler thread that plans ahead, the decode pools, and the queue of
+micro-batches waiting for the consumer in plan order.
+
+Lifecycle::
+
+    Pipeline(start state) ─▶ scheduler: cursor.next_step() → this rank's micro-batches
+                                   │  admit (per-modality buffers; deeper while storage is degraded)
+                                   ▼
+              I/O threads: each field through the cache chain (RAM → NVMe → origin)
+                                   │  when its bytes are in: a task to DecodePools
+                                   ▼
+              pending micro-batches (plan order) ─▶ next_ready() ─▶ the Feed assembles
+    close(): stop the scheduler, close its pools owner (and the pools, if it made them), join (idempotent)
+
+Several pipelines (one per rank a sidecar serves) can share one ``DecodePools`` and one
+``FieldReader``: each takes its own owner handle with its own buffers; closing one pipeline
+leaves the shared workers and the other pipelines running.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
+from multiprocessing import get_context
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._modalities import MODALITIES
+from ..plan._cursor import DealingStopped, PlanCursor, Step
+from ..decode._registry import DecodeError
+from ..decode._common import as_numpy
+from .._errors import SourceError
+from ._config import FeedConfig
+from ._metrics import FeedMetrics
+from ._healing import FeedError, SampleFailure
+from ..index._sample_index import IndexedSample, SampleIndex
+from ..plan._plan import MicroBatch, Plan
+from ._pools import DecodePools, PoolOwner
+from ..index._records import FieldLocation
+from ..decode._process_tasks import Decoder, decode_in_process
+from ..decode._worker_procs import WorkerDied, WorkerProcesses
+from ...cache import is_local
+from ._field_source import FieldSource, Loaded
+
+
+Handover = Callable[[MicroBatch], "list[dict[str, Any]] | None"]
+"""Decoded samples of a micro-batch that another stream already holds (the service, after a resize), or None."""
+
+
+@dataclass
+class Slot:
+    """One sample of a pending micro-batch: its index row, decoded fields, and failure if any."""
+
+    position: int
+    sample: IndexedSample
+    decoded: dict[str, Any] = field(default_factory=dict)
+    failure: SampleFailure | None = None
+
+
+@dataclass
+class PendingBatch:
+    """A micro-batch of this rank on its way: the step it belongs to and its slots."""
+
+    step: Step
+    accum: int
+    micro_batch: MicroBatch
+    state_before: dict[str, Any]
+    state_after: dict[str, Any]
+    slots: list[Slot]
+    counts: dict[str, int] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    remaining: int = 0
+
+
+def fields_to_decode(sample: IndexedSample) -> list[tuple[str, FieldLocation]]:
+    """The fields the feed decodes: the first of each media/text modality (by name), and every meta field."""
+    chosen: dict[str, FieldLocation] = {}
+    metas = []
+    for location in sample.fields:
+        if location.modality == "meta":
+            metas.append(("meta", location))
+        else:
+            chosen.setdefault(location.modality, location)
+    return [*chosen.items(), *metas]
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes held by a decoded value (arrays, (text, tokens) pairs, raw bytes)."""
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, tuple):
+        return sum(tensor_bytes(v) for v in value)
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    return 0
+
+
+class FieldReader:
+    """Loads fields through the cache chain in I/O threads and decodes them in this thread or in worker processes."""
+
+    def __init__(self, config: FeedConfig, decoders: Mapping[str, Decoder], metrics: FeedMetrics, namespace: str,
+                 custom: frozenset[str] = frozenset()) -> None:
+        self.config, self.decoders, self.metrics = config, decoders, metrics
+        self.source = FieldSource(config.cache, namespace, config.decode, custom)
+        self._io = ThreadPoolExecutor(config.cache.remote.io_threads, thread_name_prefix="omnifeed-io")
+        self._executors: dict[str, WorkerProcesses] = {}
+        context = get_context("forkserver")  # workers fork from a clean server, not from this threaded process
+        context.set_forkserver_preload(["omnifeed.loader"])
+        for modality in MODALITIES:
+            processes = config.pool(modality).processes
+            if processes and modality not in custom:  # a user's decoder may not pickle: it runs in threads
+                self._executors[modality] = WorkerProcesses(processes, context, f"omnifeed-{modality}-decode")
+
+    def prefetch(self, sample: IndexedSample, location: FieldLocation) -> Future[Loaded] | None:
+        """Start loading a field's bytes (or cached decoded value) in an I/O thread; None for a local file.
+
+        A local file is read by the decode worker itself, as part of its task: reading it takes
+        less than handing it between threads (with 16 I/O threads the feed lost 40 % of its
+        local-disk throughput to thread hand-offs; benchmarks/RESULTS.md).
+        """
+        if is_local(sample.shard.url):
+            return None
+        return self._io.submit(self.source.load, sample, location)
+
+    def _decode(self, sample: IndexedSample, location: FieldLocation, data: bytes) -> Any:
+        executor = self._executors.get(location.modality)
+        if executor is not None:
+            return executor.run(decode_in_process, location.modality, data, sample.key, self.config.decode)
+        decoder = self.decoders.get(location.modality)
+        # numpy values only past this point: a user's decoder may return torch tensors
+        return data if decoder is None else as_numpy(decoder(data, sample.key))
+
+    def fill(self, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None = None) -> int:
+        """Decode one field into ``slot`` (loading it now unless ``loading`` did); a failure is recorded on the slot.
+
+        Returns the bytes the decoded value holds.
+        """
+        if slot.failure is not None:  # another field of the sample failed: it will be replaced anyway
+            return 0
+        started = time.perf_counter()
+        sample = slot.sample
+        try:
+            kind, payload = loading.result() if loading is not None else self.source.load(sample, location)
+            if kind == "decoded":
+                value, read = payload, 0
+            else:
+                value, read = self._decode(sample, location, payload), len(payload)
+                self.source.remember(sample, location, value)
+        except CancelledError:  # the pipeline is closing
+            return 0
+        except DecodeError as exc:
+            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, exc.reason, str(exc))
+            return 0
+        except SourceError as exc:
+            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, "read", str(exc))
+            return 0
+        except WorkerDied as exc:  # twice on this field: the decoder itself brings its process down
+            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, "worker", str(exc))
+            return 0
+        except MemoryError:
+            raise
+        except Exception as exc:  # storage errors after the remote tier's retries, from any fsspec backend
+            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, "storage", f"{type(exc).__name__}: {exc}")
+            return 0
+        self.metrics.decoded(modality, time.perf_counter() - started, read)
+        if modality == "meta":
+            slot.decoded.setdefault("meta", {})[location.name] = value
+        else:
+            slot.decoded[modality] = value
+        return tensor_bytes(value)
+
+    def read_ahead(self) -> int:
+        """How many times the usual depth to read ahead now (more while origin storage is degraded)."""
+        return self.config.cache.remote.degraded_read_ahead if self.source.degraded else 1
+
+    def close(self) -> None:
+        """Stop the I/O threads and the worker processes and wait for them (idempotent)."""
+        self._io.shutdown(wait=True, cancel_futures=True)
+        for executor in self._executors.values():
+            executor.close()
+        self._executors.clear()
+        self.source.close()
+
+
+class Pipeline:
+    """Scheduler thread + decode pools + the ordered queue of pending micro-batches.
+
+    ``pools``: decode workers shared with other pipelines (this pipeline takes an owner handle
+    with the buffers of ``config`` and closes only that); None makes and closes its own.
+    ``self.pools`` is this pipeline's ``PoolOwner`` either way.
+    """
+
+    def __init__(self, index: SampleIndex, plan: Plan, config: FeedConfig, reader: FieldReader, *,
+                 world_size: int, rank: int, grad_accum: int, state: Mapping[str, Any], skip: int,
+                 pools: DecodePools | None = None, handover: Handover | None = None) -> None:
+        self.index, self.plan, self.config, self.reader = index, plan, config, reader
+        self._handover = handover
+        self.rank = rank
+        self.cursor = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
+        self.cursor.load_state_dict(state)
+        self._skip = skip
+        self._cond = threading.Condition()
+        self._pending: deque[PendingBatch] = deque()
+        self._max_pending = config.prefetch_steps * grad_accum
+        self._stopping = threading.Event()
+        self._error: BaseException | None = None
+        self._loading: set[Future[Loaded]] = set()
+        self._own_pools: DecodePools | None = None
+        if pools is None:
+            pools = self._own_pools = DecodePools(config)
+        self.pools: PoolOwner = pools.owner(self._fail, config)
+        self._scheduler = threading.Thread(target=self._schedule, name="omnifeed-scheduler", daemon=True)
+        self._scheduler.start()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error = self._error or exc
+            self._cond.notify_all()
+
+    def _schedule(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                with self._cond:
+                    while not self._stopping.is_set():
+                        depth = self.reader.read_ahead()
+                        self.pools.read_ahead = depth
+                        if len(self._pending) < self._max_pending * depth:
+                            break
+                        self._cond.wait(0.1)
+                if self._stopping.is_set():
+                    return
+                before = self.cursor.state_dict()
+                try:  # a step of a large world deals many micro-batches: close() must not wait for all of them
+                    step = self.cursor.next_step(self._stopping.is_set)
+                except DealingStopped:
+                    return
+                after = self.cursor.state_dict()
+                for accum, micro_batch in enumerate(step.for_rank(self.rank)):
+                    if self._skip:
+                        self._skip -= 1
+                        continue
+                    if not self._enqueue(PendingBatch(step, accum, micro_batch, before, after, [])):
+                        return
+        except BaseException as exc:  # noqa: BLE001  handed to the consumer, who re-raises it
+            self._fail(exc)
+
+    def _enqueue(self, pending: PendingBatch) -> bool:
+        held = self._handover(pending.micro_batch) if self._handover is not None else None
+        if held is not None:  # decoded already, by another rank's stream before a resize: no read, no decode
+            for sample, decoded in zip(self.index.samples(pending.micro_batch.positions), held):
+                pending.slots.append(Slot(sample.position, sample, decoded))
+            with self._cond:
+                self._pending.append(pending)
+                self._cond.notify_all()
+            return True
+        fields: list[tuple[Slot, str, FieldLocation]] = []
+        for sample in self.index.samples(pending.micro_batch.positions):
+            slot = Slot(sample.position, sample)
+            pending.slots.append(slot)
+            for modality, location in fields_to_decode(slot.sample):
+                pending.counts[modality] = pending.counts.get(modality, 0) + 1
+                fields.append((slot, modality, location))
+        pending.remaining = len(fields)
+        if not self.pools.admit(pending.counts, self._stopping):
+            return False
+        with self._cond:
+            self._pending.append(pending)
+            self._cond.notify_all()
+        for slot, modality, location in fields:
+            loading = self.reader.prefetch(slot.sample, location)
+            if loading is None:
+                self.pools.submit(modality, self._task(pending, slot, modality, location, None))
+                continue
+            with self._cond:
+                self._loading.add(loading)
+            loading.add_done_callback(self._loaded(pending, slot, modality, location))
+        return True
+
+    def _loaded(self, pending: PendingBatch, slot: Slot, modality: str,
+                location: FieldLocation) -> Callable[[Future[Loaded]], None]:
+        # The task is made here, not captured: a future keeps its done-callbacks, so a callback holding a
+        # task that holds the future is a reference cycle, and the whole micro-batch (its slots' decoded
+        # arrays, the read bytes) would wait for a full garbage collection: the service's memory climbed
+        # by tens of MiB per epoch with an http:// origin (benchmarks/bench_service_memory.py).
+        def hand_to_decoder(loading: Future[Loaded]) -> None:
+            with self._cond:
+                self._loading.discard(loading)
+            self.pools.submit(modality, self._task(pending, slot, modality, location, loading))
+        return hand_to_decoder
+
+    def _task(self, pending: PendingBatch, slot: Slot, modality: str, location: FieldLocation,
+              loading: Future[Loaded] | None) -> Callable[[], int]:
+        def run() -> int:
+            nbytes = 0
+            try:
+                nbytes = self.reader.fill(slot, modality, location, loading)
+            finally:
+                with self._cond:
+                    pending.nbytes[modality] = pending.nbytes.get(modality, 0) + nbytes
+                    pending.remaining -= 1
+                    if pending.remaining == 0:
+                        self._cond.notify_all()
+            return nbytes
+        return run
+
+    def next_ready(self) -> PendingBatch:
+        """The next micro-batch in plan order once all its fields are done (blocks)."""
+        with self._cond:
+            while self._error is None and not (self._pending and self._pending[0].remaining == 0):
+                if self._stopping.is_set():  # closed from another thread (the service closing a stream)
+                    raise FeedError("the feed was closed")
+                self._cond.wait(0.1)
+            if self._error is not None:
+                raise FeedError(f"the feed stopped: {type(self._error).__name__}: {self._error}") from self._error
+            pending = self._pending.popleft()
+            self._cond.notify_all()
+        return pending
+
+    def release(self, pending: PendingBatch) -> None:
+        """Give the batch's buffer space back to the pools."""
+        for modality, count in pending.counts.items():
+            self.pools.release(modality, count, pending.nbytes.get(modality, 0))
+
+    def close(self) -> None:
+        """Stop the scheduler and this pipeline's share of the pools and join their threads (idempotent).
+
+        Its queued decode tasks are dropped and its running ones waited for; shared pools keep running.
+        """
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+            loading = list(self._loading)
+        for future in loading:  # reads not started yet are dropped; running ones finish into a closed owner
+            future.cancel()
+        self.pools.close()
+        if self._own_pools is not None:
+            self._own_pools.close()
+        if self._scheduler is not threading.current_thread():
+            self._scheduler.join()

@@ -1,0 +1,288 @@
+"""Per-modality decode pools: task queues, dedicated and shared worker threads, bounded ready buffers.
+
+One ``DecodePools`` holds the worker threads; each pipeline that uses it takes an owner handle
+(``pools.owner(on_error)``) with its own budget. Several pipelines (one per data-parallel rank a
+sidecar serves) can share one set of workers this way::
+
+    DecodePools(config) ── workers: dedicated per modality + shared ──┐
+       ├─ owner A: admit ─▶ submit ─▶ (decoded) ─▶ release        │ round robin over owners,
+       └─ owner B: admit ─▶ submit ─▶ (decoded) ─▶ release        │ per modality
+    owner.close(): drops its queued tasks, waits for its running ones; the workers keep serving the others
+    pools.close(): closes every owner, stops the workers and joins them (idempotent)
+
+Each owner has, per modality, its own budget of samples (and bytes) admitted ahead of its consumer.
+A micro-batch is admitted only when every modality it needs has room, except that a modality with
+nothing outstanding always admits (so a micro-batch larger than a buffer cannot deadlock). An
+owner whose consumer is slow therefore holds at most its own budget of queued work, and workers
+take each modality's tasks from the owners in turn, so it cannot starve another owner. Shared
+workers serve the modality whose queued work takes longest to clear at its measured decode time
+per task (an exponential moving average) and its dedicated workers, so workers move to the
+modality that is running dry. A task's exception goes to its own owner's ``on_error``.
+
+Threads by default: Pillow and PyAV release the GIL while decoding and resizing (two image
+threads decode 2× one thread), and threads share the index, the plan and the decoded tensors
+without copies. A modality can decode in worker processes instead (``PoolConfig.processes``;
+the threads then hand tasks over and wait): measured slower for images here, because each
+result crosses a pipe (benchmarks/RESULTS.md), but there for decoders that hold the GIL.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._modalities import FIELD_MODALITIES
+from ._config import FeedConfig, PoolConfig
+
+Task = Callable[[], int]
+"""A unit of work: fetch and decode one field, store the result, return the decoded bytes."""
+
+
+class PoolOwner:
+    """One pipeline's share of a ``DecodePools``: its budget, its queued tasks, its error handler.
+
+    ``read_ahead`` multiplies the sample budget (raised while origin storage is degraded).
+    """
+
+    def __init__(self, pools: DecodePools, on_error: Callable[[BaseException], None],
+                 limits: Mapping[str, PoolConfig]) -> None:
+        self._pools = pools
+        self._on_error = on_error
+        self._limits = dict(limits)
+        self._room_freed = threading.Condition(pools._lock)  # admit waits here for this owner's releases
+        self._idle = threading.Condition(pools._lock)  # close waits here for this owner's running tasks
+        self._queues: dict[str, deque[Task]] = {m: deque() for m in FIELD_MODALITIES}
+        self._outstanding = dict.fromkeys(FIELD_MODALITIES, 0)  # admitted, not yet released
+        self._ready = dict.fromkeys(FIELD_MODALITIES, 0)  # decoded, not yet released
+        self._ready_bytes = dict.fromkeys(FIELD_MODALITIES, 0)
+        self._running = 0  # tasks of this owner in a worker now
+        self.closed = False
+        self.read_ahead = 1
+
+    def admit(self, needs: Mapping[str, int], stopping: threading.Event) -> bool:
+        """Wait until every modality in ``needs`` has room; reserve it. False if stopping or closed first."""
+        with self._room_freed:
+            while not (self.closed or stopping.is_set() or all(self._room(m, n) for m, n in needs.items() if n)):
+                self._room_freed.wait(0.1)
+            if self.closed or stopping.is_set():
+                return False
+            for modality, n in needs.items():
+                self._outstanding[modality] += n
+            return True
+
+    def _room(self, modality: str, n: int) -> bool:
+        limit = self._limits[modality]
+        if self._outstanding[modality] == 0:
+            return True
+        # Deeper read-ahead admits more samples, never more decoded bytes than the budget.
+        samples = limit.buffer_samples * self.read_ahead
+        return self._outstanding[modality] + n <= samples and self._ready_bytes[modality] < limit.buffer_bytes
+
+    def submit(self, modality: str, task: Task) -> None:
+        """Queue one admitted task of ``modality`` (dropped once this owner is closed)."""
+        self._pools._submit(self, modality, task)
+
+    def release(self, modality: str, count: int, nbytes: int) -> None:
+        """The consumer is done with ``count`` decoded fields (``nbytes``) of ``modality``."""
+        with self._room_freed:
+            self._outstanding[modality] -= count
+            self._ready[modality] -= count
+            self._ready_bytes[modality] -= nbytes
+            self._room_freed.notify_all()
+
+    def buffers(self) -> dict[str, dict[str, Any]]:
+        """Per modality: decoded samples waiting for the consumer, their bytes, and queued work."""
+        with self._room_freed:
+            return {
+                m: {"buffer_samples": self._ready[m], "buffer_bytes": self._ready_bytes[m], "queued": len(self._queues[m])}
+                for m in FIELD_MODALITIES if self._outstanding[m] or self._ready[m] or self._queues[m]
+            }
+
+    def close(self) -> None:
+        """Drop this owner's queued tasks and wait for its running ones; other owners go on (idempotent)."""
+        self._pools._close_owner(self)
+
+    def __enter__(self) -> PoolOwner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class DecodePools:
+    """Worker threads per modality plus shared ones, serving the tasks of one or more owners.
+
+    ``config`` sets the workers (``PoolConfig.workers``, ``shared_workers``) and each owner's
+    default buffers (``buffer_samples``, ``buffer_bytes``). ``on_error``, if given, is also told
+    of every task's exception, whichever owner's (after that owner's own ``on_error``): a log hook.
+    """
+
+    def __init__(self, config: FeedConfig, on_error: Callable[[BaseException], None] | None = None) -> None:
+        self._observe = on_error
+        # One lock; separate conditions so that a finished or submitted task wakes only the
+        # threads that can act on it (a notify_all per task woke every worker: GIL churn).
+        self._lock = threading.Lock()
+        self._work_ready = {m: threading.Condition(self._lock) for m in FIELD_MODALITIES}
+        self._shared_work = threading.Condition(self._lock)
+        self._limits = {m: config.pool(m) for m in FIELD_MODALITIES}
+        self._turns: dict[str, deque[PoolOwner]] = {m: deque() for m in FIELD_MODALITIES}  # owners with queued tasks
+        self._queued = dict.fromkeys(FIELD_MODALITIES, 0)  # over all owners
+        self._seconds_per_task = dict.fromkeys(FIELD_MODALITIES, 0.0)  # measured, moving average
+        self._owners: list[PoolOwner] = []
+        self._closed = False
+        self._threads: list[threading.Thread] = []
+        for modality in FIELD_MODALITIES:
+            for i in range(self._limits[modality].workers):
+                self._start(f"omnifeed-{modality}-{i}", (modality,))
+        for i in range(config.shared_workers):
+            self._start(f"omnifeed-shared-{i}", None)
+        served = {m for m in FIELD_MODALITIES if self._limits[m].workers} | (set(FIELD_MODALITIES) if config.shared_workers else set())
+        self._inline = set(FIELD_MODALITIES) - served  # no worker would ever run these: run at submit
+
+    def _start(self, name: str, modalities: tuple[str, ...] | None) -> None:
+        thread = threading.Thread(target=self._work, args=(modalities,), name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def owner(self, on_error: Callable[[BaseException], None], config: FeedConfig | None = None) -> PoolOwner:
+        """A new owner whose tasks' exceptions go to ``on_error``, with the buffers of ``config``
+        (default: this pools' config; its worker counts are ignored). Raises RuntimeError once closed."""
+        limits = self._limits if config is None else {m: config.pool(m) for m in FIELD_MODALITIES}
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the decode pools are closed")
+            owner = PoolOwner(self, on_error, limits)
+            self._owners.append(owner)
+            return owner
+
+    def _submit(self, owner: PoolOwner, modality: str, task: Task) -> None:
+        if modality in self._inline:
+            with self._lock:
+                if owner.closed:
+                    return
+                owner._running += 1
+            self._run(owner, modality, task)
+            return
+        with self._lock:
+            if owner.closed:
+                return
+            queue = owner._queues[modality]
+            if not queue:
+                self._turns[modality].append(owner)
+            queue.append(task)
+            self._queued[modality] += 1
+            self._work_ready[modality].notify()
+            self._shared_work.notify()
+
+    def _pick(self, modalities: tuple[str, ...] | None) -> tuple[PoolOwner, str, Task] | None:
+        candidates = [m for m in (modalities or FIELD_MODALITIES) if self._queued[m]]
+        if not candidates:
+            return None
+        if modalities is None:  # a shared worker: the longest backlog in seconds of work per worker
+            modality = max(candidates, key=self._backlog_seconds)
+        else:
+            modality = candidates[0]
+        turns = self._turns[modality]
+        owner = turns.popleft()  # owners in turn: a slow consumer's backlog cannot hold another's up
+        queue = owner._queues[modality]
+        task = queue.popleft()
+        if queue:
+            turns.append(owner)
+        self._queued[modality] -= 1
+        owner._running += 1
+        return owner, modality, task
+
+    def _backlog_seconds(self, modality: str) -> tuple[float, float]:
+        per_task = self._seconds_per_task[modality] or 1e-3  # unmeasured yet: assume cheap
+        backlog = self._queued[modality] * per_task / (self._limits[modality].workers + 1)
+        ready = sum(owner._ready[modality] for owner in self._owners)
+        return backlog, -ready / (self._limits[modality].buffer_samples * max(1, len(self._owners)))
+
+    def _work(self, modalities: tuple[str, ...] | None) -> None:
+        wakeup = self._shared_work if modalities is None else self._work_ready[modalities[0]]
+        while True:
+            with self._lock:
+                picked = self._pick(modalities)
+                while picked is None and not self._closed:
+                    wakeup.wait(0.5)
+                    picked = self._pick(modalities)
+                if picked is None:
+                    return
+            self._run(*picked)
+
+    def _run(self, owner: PoolOwner, modality: str, task: Task) -> None:
+        started = time.perf_counter()
+        try:
+            nbytes = task()
+        except BaseException as exc:  # noqa: BLE001  reported to the owner's consumer, who re-raises it
+            owner._on_error(exc)
+            if self._observe is not None:
+                self._observe(exc)
+            nbytes = 0
+        seconds = time.perf_counter() - started
+        with self._lock:
+            if modality not in self._inline:
+                previous = self._seconds_per_task[modality]
+                self._seconds_per_task[modality] = seconds if not previous else 0.8 * previous + 0.2 * seconds
+            owner._ready[modality] += 1
+            owner._ready_bytes[modality] += nbytes  # only shrinks room: nobody to wake
+            owner._running -= 1
+            if owner._running == 0:
+                owner._idle.notify_all()
+
+    def buffers(self) -> dict[str, dict[str, Any]]:
+        """Per modality, summed over the owners: decoded samples waiting, their bytes, and queued work."""
+        with self._lock:
+            owners = list(self._owners)
+        total: dict[str, dict[str, Any]] = {}
+        for owner in owners:
+            for modality, counts in owner.buffers().items():
+                into = total.setdefault(modality, dict.fromkeys(counts, 0))
+                for name, value in counts.items():
+                    into[name] += value
+        return total
+
+    def _close_owner(self, owner: PoolOwner) -> None:
+        with self._lock:
+            if not owner.closed:
+                owner.closed = True
+                for modality, queue in owner._queues.items():
+                    if queue:
+                        self._queued[modality] -= len(queue)
+                        self._turns[modality].remove(owner)
+                        queue.clear()
+                self._owners.remove(owner)
+                owner._room_freed.notify_all()
+            # A task may close its own owner: never wait for it from a worker thread.
+            if threading.current_thread() not in self._threads:
+                while owner._running:
+                    owner._idle.wait(0.5)
+
+    def close(self) -> None:
+        """Close every owner (queued tasks are dropped), stop every worker and wait for them (idempotent).
+
+        An owner still open is told through its ``on_error`` (a RuntimeError), so its consumer stops waiting.
+        """
+        with self._lock:
+            self._closed = True
+            owners = list(self._owners)
+        for owner in owners:
+            self._close_owner(owner)
+            owner._on_error(RuntimeError("the decode pools were closed under this pipeline"))
+        with self._lock:
+            self._shared_work.notify_all()
+            for condition in self._work_ready.values():
+                condition.notify_all()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join()
+        self._threads.clear()
+
+    def __enter__(self) -> DecodePools:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

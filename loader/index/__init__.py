@@ -1,0 +1,26 @@
+"""omnifeed.loader.index: sources, shard scans, header probes, tokenizers, the index build and the mapped index."""
+
+from ._build import IndexReport, build_index, default_workers, write_index_from_tables
+from ._config import IndexConfig
+from ._ray_build import build_index_ray, ray_session
+from ._records import FieldLocation, SampleLengths, ShardSpec
+from ._sample_index import ROW_SCHEMA, IndexedSample, SampleIndex
+from ._sources import expand_sources, read_field
+
+__all__ = [
+    "FieldLocation",
+    "IndexConfig",
+    "IndexReport",
+    "IndexedSample",
+    "ROW_SCHEMA",
+    "SampleIndex",
+    "SampleLengths",
+    "ShardSpec",
+    "build_index",
+    "build_index_ray",
+    "default_workers",
+    "expand_sources",
+    "ray_session",
+    "read_field",
+    "write_index_from_tables",
+]

@@ -1,0 +1,57 @@
+"""`IndexConfig`: how `omnifeed index` scans sources and writes the index (docs/config.md)."""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from .._config import StrictModel
+from .._modalities import FIELD_MODALITIES
+
+_DEFAULT_EXTENSIONS: dict[str, str] = {
+    **dict.fromkeys(("jpg", "jpeg", "png", "webp"), "image"),
+    **dict.fromkeys(("mp4", "webm", "mkv", "avi", "mov"), "video"),
+    **dict.fromkeys(("flac", "wav", "mp3", "ogg", "m4a"), "audio"),
+    **dict.fromkeys(("txt", "text"), "text"),
+}
+
+class IndexConfig(StrictModel):
+    """How `omnifeed index` scans sources and writes the index."""
+
+    partitions: int = Field(default=16, ge=1, le=1024, description="Parquet partitions, by hash of the sample key.")
+    workers: int = Field(default=2, ge=1, le=1024, description="Processes scanning shards in parallel.")
+    tokenizer: str = Field(
+        default="regex",
+        description="Text length measure: 'regex' (words and punctuation), 'whitespace', "
+        "'bytes' (UTF-8 bytes), or 'module:function' returning a count or a token list.",
+    )
+    modalities: dict[str, str] = Field(
+        default_factory=dict,
+        description="Field name (lower-case extension, e.g. 'cap') -> modality; overrides the defaults.",
+    )
+    key_column: str = Field(default="__key__", description="Parquet column holding the sample key.")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _known_tokenizer(cls, value: str) -> str:
+        from ._tokenizers import make_token_counter
+
+        make_token_counter(value)  # raises ValueError naming the choices
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _known_modalities(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, modality in value.items():
+            if modality not in FIELD_MODALITIES:
+                raise ValueError(f"field {name!r}: modality {modality!r} is not one of {', '.join(FIELD_MODALITIES)}")
+        return {name.lower(): modality for name, modality in value.items()}
+
+    def modality_of(self, field_name: str) -> str:
+        """Modality of a field by its name: the override, else the last extension's default, else 'meta'."""
+        name = field_name.lower()
+        if name in self.modalities:
+            return self.modalities[name]
+        last = name.rsplit(".", 1)[-1]
+        if last in self.modalities:
+            return self.modalities[last]
+        return _DEFAULT_EXTENSIONS.get(last, "meta")

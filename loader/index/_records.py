@@ -1,0 +1,76 @@
+"""Plain records that sources produce and the index stores: one sample, its fields, its lengths."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Modality = Literal["text", "image", "video", "audio", "meta"]
+SourceKind = Literal["tar", "parquet", "folder"]
+
+
+@dataclass(frozen=True)
+class FieldLocation:
+    """Where one field of a sample lives inside its shard.
+
+    ``name`` is the lower-cased field name (``jpg``, ``txt``, ``seg.json``);
+    ``member`` is the tar member name, the file path relative to the folder, or
+    the Parquet column; ``offset``/``size`` are bytes within the shard URL for
+    tar members (offset of the data, not the header), ``0``/file size for a
+    folder file, and ``-1``/value size for a Parquet cell.
+    """
+
+    name: str
+    modality: str
+    member: str
+    offset: int
+    size: int
+
+
+@dataclass(frozen=True)
+class SampleLengths:
+    """Per-modality lengths measured at index time (0 where the sample lacks the modality)."""
+
+    text_tokens: int = 0
+    image_width: int = 0
+    image_height: int = 0
+    video_frames: int = 0
+    video_fps: float = 0.0
+    video_width: int = 0
+    video_height: int = 0
+    audio_seconds: float = 0.0
+    audio_sample_rate: int = 0
+
+
+@dataclass(frozen=True)
+class ScannedSample:
+    """One sample as a scan of its shard found it.
+
+    ``row_group``/``row`` locate a Parquet row (``-1`` for other kinds);
+    ``digest`` is an xxh64 of the sample's field bytes, folded into the
+    index fingerprint so that changed content changes the fingerprint.
+    """
+
+    key: str
+    fields: tuple[FieldLocation, ...]
+    lengths: SampleLengths
+    digest: int
+    row_group: int = -1
+    row: int = -1
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One unit of scanning: a tar shard, a Parquet file or a folder, by fsspec URL."""
+
+    url: str
+    kind: SourceKind
+
+
+@dataclass
+class ShardScan:
+    """The result of scanning one shard: its samples in shard order."""
+
+    shard: ShardSpec
+    samples: list[ScannedSample] = field(default_factory=list)
+    size_bytes: int = 0

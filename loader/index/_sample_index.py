@@ -1,0 +1,332 @@
+"""The sample index on disk, opened memory-mapped: keys, locations and lengths by position.
+
+Layout of an index directory (written by ``build_index``)::
+
+    manifest.json          counts, fingerprint, length statistics, partitions
+    part-00000.parquet     rows of partition 0, sorted by key (the interchange copy)
+    part-00000.arrow       the same rows as uncompressed Arrow IPC (the memory-mapped copy)
+    shards.parquet         shard id -> URL, kind, bytes, samples
+    by_shard.npy           positions ordered by (shard, order within shard)
+
+A sample's *position* is its row number in the concatenation of the partitions
+in order. Opening maps the Arrow files and the ``by_shard`` array; pages are read
+on touch and shared between every process on the node through the page cache, so
+opening costs the same few megabytes for ten samples or ten million.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, get_args
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from .._errors import IndexFormatError
+from ._records import FieldLocation, SampleLengths, ShardSpec, SourceKind
+
+INDEX_FORMAT = "omnifeed.index/1"
+MANIFEST = "manifest.json"
+SHARDS = "shards.parquet"
+BY_SHARD = "by_shard.npy"
+
+LENGTH_COLUMNS: dict[str, pa.DataType] = {
+    "text_tokens": pa.int32(),
+    "image_width": pa.int32(),
+    "image_height": pa.int32(),
+    "video_frames": pa.int32(),
+    "video_fps": pa.float32(),
+    "video_width": pa.int32(),
+    "video_height": pa.int32(),
+    "audio_seconds": pa.float32(),
+    "audio_sample_rate": pa.int32(),
+}
+FIELD_TYPE = pa.struct(
+    [("name", pa.string()), ("modality", pa.string()), ("member", pa.string()), ("offset", pa.int64()), ("size", pa.int64())]
+)
+ROW_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("shard", pa.int32()),
+        ("shard_row", pa.int64()),
+        ("row_group", pa.int32()),
+        ("row", pa.int64()),
+        ("fields", pa.list_(FIELD_TYPE)),
+        *LENGTH_COLUMNS.items(),
+        ("row_digest", pa.uint64()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class IndexedSample:
+    """One row of the index: where a sample's fields are and how long each modality is."""
+
+    position: int
+    key: str
+    shard: ShardSpec
+    fields: tuple[FieldLocation, ...]
+    lengths: SampleLengths
+    row_group: int
+    row: int
+
+
+def partition_file(partition: int, suffix: str) -> str:
+    """File name of a partition (``suffix`` is ``parquet`` or ``arrow``)."""
+    return f"part-{partition:05d}.{suffix}"
+
+
+class SampleIndex:
+    """A read-only, memory-mapped view of an index directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        """Open (map) the index at ``path``; raises IndexFormatError naming the file for a missing, truncated
+        or malformed index file. Rows are checked in full the first time they are read (`_chunk`)."""
+        self.path = Path(path)
+        manifest_path = self.path / MANIFEST
+        if not manifest_path.is_file():
+            raise IndexFormatError(f"{self.path}: no {MANIFEST}; is this an omnifeed index? Build one with `omnifeed index`.")
+        try:
+            self.manifest: dict[str, Any] = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise IndexFormatError(f"{manifest_path}: unreadable manifest ({exc}); rebuild the index") from exc
+        self.num_samples: int = _check_manifest(self.manifest, manifest_path)
+        self.fingerprint: str = self.manifest["fingerprint"]
+        self._rows = self._map_partitions()
+        self._chunk_starts = np.cumsum([0] + [len(c) for c in self._rows["key"].chunks], dtype=np.int64)
+        self._checked: set[tuple[str, int]] = set()
+        self._sample_batches: list[pa.RecordBatch] | None = None  # row-aligned chunks of the sample columns
+        self._sample_schema: pa.Schema | None = None
+        self._sample_chunks_checked: set[int] = set()
+        self.shards, self.shard_sizes = _read_shards(self.path / SHARDS, self.num_samples)
+        self.by_shard: np.ndarray = _map_by_shard(self.path / BY_SHARD, self.num_samples)
+
+    def _map_partitions(self) -> pa.Table:
+        tables = []
+        for part in self.manifest["partitions"]:
+            arrow_path = self.path / part["file"].replace(".parquet", ".arrow")
+            if not arrow_path.is_file():
+                _write_arrow_copy(self.path / part["file"], arrow_path)
+            try:
+                table = pa.ipc.open_file(pa.memory_map(str(arrow_path), "r")).read_all()
+                table.validate()  # buffer sizes against lengths (cheap); values are checked on first read
+            except (OSError, pa.ArrowException) as exc:
+                raise IndexFormatError(f"{arrow_path}: unreadable ({exc}); delete it (it is re-created from "
+                                       f"{part['file']}) or rebuild the index") from exc
+            if not table.schema.equals(ROW_SCHEMA):
+                raise IndexFormatError(f"{arrow_path}: not the columns of an {INDEX_FORMAT} index; delete it (it is "
+                                       f"re-created from {part['file']}) or rebuild the index")
+            if table.num_rows != part["rows"]:
+                raise IndexFormatError(f"{arrow_path}: {table.num_rows} rows, manifest says {part['rows']}; rebuild the index")
+            if any(_nulls(chunk) for column in table.columns for chunk in column.chunks):  # counts from the metadata
+                raise IndexFormatError(f"{arrow_path}: null values, which an index never holds; delete it (it is "
+                                       f"re-created from {part['file']}) or rebuild the index")
+            tables.append(table)
+        if not tables:
+            return ROW_SCHEMA.empty_table()
+        return pa.concat_tables(tables)
+
+    def _chunk(self, name: str, chunk: int) -> pa.Array:
+        """One mapped chunk of a column, fully validated the first time (offsets, UTF-8): a damaged file is an
+        IndexFormatError, never a read outside the mapping (a crash)."""
+        array = self._rows[name].chunk(chunk)
+        if (name, chunk) not in self._checked:
+            try:
+                array.validate(full=True)
+            except pa.ArrowException as exc:
+                first, last = self._chunk_starts[chunk], self._chunk_starts[chunk + 1] - 1
+                raise IndexFormatError(f"{self.path}: column {name!r} of rows {first}..{last} is damaged ({exc}); "
+                                       "rebuild the index") from exc
+            self._checked.add((name, chunk))
+        return array
+
+    def _column(self, name: str) -> pa.ChunkedArray:
+        """A whole column, every chunk validated."""
+        return pa.chunked_array([self._chunk(name, i) for i in range(self._rows[name].num_chunks)],
+                                type=self._rows[name].type)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def keys(self, positions: np.ndarray | list[int]) -> list[str]:
+        """Sample keys at the given positions, in that order."""
+        return self._take("key", positions).to_pylist()
+
+    def length_columns(self, positions: np.ndarray | list[int]) -> dict[str, np.ndarray]:
+        """The per-modality length columns at ``positions`` (read from the mapped rows, nothing else)."""
+        return {name: self._take(name, positions).to_numpy(zero_copy_only=False) for name in LENGTH_COLUMNS}
+
+    def _take(self, name: str, positions: np.ndarray | list[int]) -> pa.Array:
+        """One column at ``positions``, chunk by chunk: ``ChunkedArray.take`` would first copy the
+        whole mapped column into memory."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
+            raise IndexError(f"positions outside the index's {self.num_samples} samples")
+        column = self._rows[name]
+        chunk_of = np.searchsorted(self._chunk_starts, positions, side="right") - 1
+        pieces, placed = [], []
+        for chunk in np.unique(chunk_of):
+            where = np.flatnonzero(chunk_of == chunk)
+            pieces.append(self._chunk(name, int(chunk)).take(pa.array(positions[where] - self._chunk_starts[chunk])))
+            placed.append(where)
+        if not pieces:
+            return pa.array([], type=column.type)
+        gathered = pa.concat_arrays(pieces)
+        back = np.empty(positions.size, dtype=np.int64)
+        back[np.concatenate(placed)] = np.arange(positions.size)
+        return gathered.take(pa.array(back))
+
+    def column(self, name: str) -> np.ndarray:
+        """A whole per-sample column (e.g. a length column) as a numpy array."""
+        return self._column(name).to_numpy()
+
+    def sample(self, position: int) -> IndexedSample:
+        """Everything the index knows about the sample at ``position``."""
+        if not 0 <= position < self.num_samples:
+            raise IndexError(f"position {position} outside the index's {self.num_samples} samples")
+        chunk = int(np.searchsorted(self._chunk_starts, position, side="right") - 1)
+        offset = position - int(self._chunk_starts[chunk])
+        return self._to_sample(position, {name: self._chunk(name, chunk)[offset].as_py() for name in _SAMPLE_COLUMNS})
+
+    def samples(self, positions: np.ndarray | list[int]) -> list[IndexedSample]:
+        """`sample` for many positions at once: one take of whole rows per mapped chunk the positions touch
+        (a take per column and chunk cost ~14x more calls: the feed's planner held the GIL for it)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
+            raise IndexError(f"positions outside the index's {self.num_samples} samples")
+        if self._sample_batches is None:
+            table = self._rows.select(list(_SAMPLE_COLUMNS))
+            self._sample_batches, self._sample_schema = table.to_batches(), table.schema
+        chunk_of = np.searchsorted(self._chunk_starts, positions, side="right") - 1
+        order = np.argsort(chunk_of, kind="stable")
+        pieces = []
+        for group in np.split(order, np.flatnonzero(np.diff(chunk_of[order])) + 1) if positions.size else []:
+            chunk = int(chunk_of[group[0]])
+            if chunk not in self._sample_chunks_checked:
+                for name in _SAMPLE_COLUMNS:
+                    self._chunk(name, chunk)  # validated before its values are read
+                self._sample_chunks_checked.add(chunk)
+            pieces.append(self._sample_batches[chunk].take(pa.array(positions[group] - self._chunk_starts[chunk])))
+        rows = pa.Table.from_batches(pieces, schema=self._sample_schema).to_pylist()
+        out: list[IndexedSample | None] = [None] * positions.size
+        for i, row in zip(order.tolist(), rows):
+            out[i] = self._to_sample(int(positions[i]), row)
+        return out  # type: ignore[return-value]
+
+    def _to_sample(self, position: int, row: dict[str, Any]) -> IndexedSample:
+        if not 0 <= row["shard"] < len(self.shards):
+            raise IndexFormatError(f"{self.path}: the row at position {position} names shard {row['shard']}, but "
+                                   f"{SHARDS} lists {len(self.shards)}; rebuild the index")
+        return IndexedSample(
+            position=position, key=row["key"], shard=self.shards[row["shard"]],
+            fields=tuple(FieldLocation(**f) for f in row["fields"]),
+            lengths=SampleLengths(**{name: row[name] for name in LENGTH_COLUMNS}),
+            row_group=row["row_group"], row=row["row"],
+        )
+
+    def positions_of(self, keys: list[str] | pa.Array) -> np.ndarray:
+        """Positions of ``keys`` (``-1`` for a key the index does not hold); builds a hash table of all keys."""
+        found = pc.index_in(pa.array(keys, type=pa.string()), value_set=self._column("key").combine_chunks())
+        return found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
+def _write_arrow_copy(parquet_path: Path, arrow_path: Path) -> None:
+    """Recreate the memory-mapped copy of a partition from its Parquet file, row group by row group."""
+    if not parquet_path.is_file():
+        raise IndexFormatError(f"{parquet_path}: partition missing; rebuild the index with `omnifeed index`")
+    tmp = arrow_path.with_suffix(".arrow.tmp")
+    try:
+        source = pq.ParquetFile(parquet_path)
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
+            for group in range(source.num_row_groups):
+                writer.write_table(source.read_row_group(group).cast(ROW_SCHEMA))
+    except (OSError, pa.ArrowException, ValueError, TypeError, KeyError) as exc:  # a bad file or other columns
+        tmp.unlink(missing_ok=True)
+        raise IndexFormatError(f"{parquet_path}: unreadable partition ({type(exc).__name__}: {exc}); "
+                               "rebuild the index with `omnifeed index`") from exc
+    tmp.replace(arrow_path)
+
+
+_PARTITION_FILE = re.compile(r"part-\d{5,}\.parquet")
+_SAMPLE_COLUMNS = ("key", "shard", "fields", "row_group", "row", *LENGTH_COLUMNS)
+
+
+def _nulls(array: pa.Array) -> int:
+    """Null values in ``array`` and its children, as their metadata counts them (the first full validation of a
+    chunk checks the counts against the validity bitmaps)."""
+    count = array.null_count
+    if isinstance(array, pa.ListArray):
+        count += _nulls(array.values)
+    elif isinstance(array, pa.StructArray):
+        count += sum(_nulls(array.field(i)) for i in range(array.type.num_fields))
+    return count
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_manifest(manifest: Any, path: Path) -> int:
+    """The manifest's sample count, after checking what opening relies on; IndexFormatError otherwise.
+
+    Partition files must be plain ``part-NNNNN.parquet`` names: an index never names a file outside its
+    own directory (the Arrow copy is written beside the Parquet file).
+    """
+    if not isinstance(manifest, dict) or manifest.get("format") != INDEX_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise IndexFormatError(f"{path}: format {found!r}, expected {INDEX_FORMAT!r}; rebuild the index")
+    partitions = manifest.get("partitions")
+    problem = None
+    if not _is_count(manifest.get("num_samples")):
+        problem = "'num_samples' is not a count"
+    elif not isinstance(manifest.get("fingerprint"), str):
+        problem = "'fingerprint' is not a string"
+    elif not isinstance(partitions, list) or not all(
+            isinstance(p, dict) and _is_count(p.get("rows")) and isinstance(p.get("file"), str)
+            and _PARTITION_FILE.fullmatch(p["file"]) for p in partitions):
+        problem = "'partitions' is not a list of {file: 'part-NNNNN.parquet', rows: count}"
+    elif sum(p["rows"] for p in partitions) != manifest["num_samples"]:
+        problem = f"the partitions hold {sum(p['rows'] for p in partitions)} rows, not num_samples"
+    if problem is not None:
+        raise IndexFormatError(f"{path}: {problem}; rebuild the index")
+    return int(manifest["num_samples"])
+
+
+def _read_shards(path: Path, num_samples: int) -> tuple[list[ShardSpec], np.ndarray]:
+    """The shard table: specs and sample counts. Local shard paths must be absolute (`omnifeed index` writes
+    them so): a relative one would be read relative to whatever directory the reader runs in."""
+    try:
+        table = pq.read_table(path, columns=["url", "kind", "num_samples"])
+        urls, kinds = table["url"].to_pylist(), table["kind"].to_pylist()
+        sizes = np.asarray(table["num_samples"].to_numpy(zero_copy_only=False), dtype=np.int64)
+    except (OSError, pa.ArrowException, KeyError, ValueError, TypeError) as exc:
+        raise IndexFormatError(f"{path}: unreadable shard table ({type(exc).__name__}: {exc}); "
+                               "rebuild the index") from exc
+    for url, kind in zip(urls, kinds):
+        if kind not in get_args(SourceKind) or not isinstance(url, str) or not url:
+            raise IndexFormatError(f"{path}: shard {url!r} of kind {kind!r} is not a tar, parquet or folder shard; "
+                                   "rebuild the index")
+        if "://" not in url and "::" not in url and not url.startswith("/"):
+            raise IndexFormatError(f"{path}: shard path {url!r} is relative (an index names its shards by absolute "
+                                   "path or URL); rebuild the index")
+    if sizes.sum() != num_samples or (sizes < 0).any():
+        raise IndexFormatError(f"{path}: shard sample counts add up to {sizes.sum()}, not {num_samples}; "
+                               "rebuild the index")
+    return [ShardSpec(url=u, kind=k) for u, k in zip(urls, kinds)], sizes
+
+
+def _map_by_shard(path: Path, num_samples: int) -> np.ndarray:
+    """``by_shard.npy`` mapped: one int64 position per sample (the values are not read here)."""
+    try:
+        array: np.ndarray = np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as exc:  # numpy's header parser raises ValueError, SyntaxError, tokenize.TokenError, ...
+        raise IndexFormatError(f"{path}: unreadable ({type(exc).__name__}: {exc}); rebuild the index") from exc
+    if array.shape != (num_samples,) or array.dtype != np.dtype("<i8"):
+        raise IndexFormatError(f"{path}: {array.dtype} array of shape {array.shape}, expected {num_samples} int64 "
+                               "positions; rebuild the index")
+    return array

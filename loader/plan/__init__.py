@@ -1,0 +1,22 @@
+"""omnifeed.loader.plan: the keyed permutation, the plan, the cursor, plan reports and delivery records."""
+
+from ._audit import CoverageReport, delivery_records, open_audit_log, read_delivery_logs, verify_coverage
+from ._config import PlanConfig
+from ._cursor import PlanCursor, Step, steps_left_in_epoch
+from ._plan import MicroBatch, Plan
+from ._report import PlanReport
+
+__all__ = [
+    "CoverageReport",
+    "MicroBatch",
+    "Plan",
+    "PlanConfig",
+    "PlanCursor",
+    "PlanReport",
+    "Step",
+    "delivery_records",
+    "open_audit_log",
+    "read_delivery_logs",
+    "steps_left_in_epoch",
+    "verify_coverage",
+]

@@ -1,0 +1,230 @@
+"""The cursor: the whole data state of a run, and how steps are dealt to data-parallel ranks.
+
+A step at world size ``W`` with ``A`` gradient-accumulation micro-steps takes the next
+``W * A`` micro-batches of the plan. Accumulation micro-step ``a`` of rank ``r`` gets the
+step's micro-batch ``a * W + r``, so every accumulation micro-step is ``W`` consecutive
+micro-batches (balanced when micro-batches cost the same). The cursor is a handful of
+numbers: resuming, at the same or another world size, computes one window, never a replay.
+
+State keys (``state_dict``): ``format``, ``index_fingerprint``, ``config_fingerprint``,
+``topology_version``, ``world_size``, ``grad_accum``, ``step`` (steps dealt since training
+began); the next micro-batch to deal: ``epoch``, ``window``, ``window_start`` (the window's
+first stream offset), ``offset`` (its place in the window), ``micro_batch`` (its place in
+the epoch); and ``budget``/``next_budget`` (the cost budget of this window and of the
+windows after it, changed by memory feedback; ``null`` for fixed-size batches).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import StateMismatchError
+from ._plan import MicroBatch, Plan, WindowPlan
+
+STATE_FORMAT = "omnifeed.plan-state/1"
+_STATE_KEYS = frozenset(
+    {"format", "index_fingerprint", "config_fingerprint", "topology_version", "world_size", "grad_accum",
+     "step", "epoch", "window", "window_start", "offset", "micro_batch", "budget", "next_budget"}
+)
+_COUNTERS = ("topology_version", "step", "epoch", "window", "window_start", "offset", "micro_batch", "world_size", "grad_accum")
+
+
+class DealingStopped(Exception):
+    """`PlanCursor.next_step` was told to stop in the middle of dealing a step."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One training step: the ``W × A`` micro-batches it deals, in dealing order."""
+
+    step: int
+    world_size: int
+    grad_accum: int
+    topology_version: int
+    micro_batches: tuple[MicroBatch, ...]
+
+    def for_rank(self, rank: int) -> list[MicroBatch]:
+        """The micro-batches of ``rank``, one per accumulation micro-step, in order."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world size {self.world_size}")
+        return [self.micro_batches[a * self.world_size + rank] for a in range(self.grad_accum)]
+
+
+def _check_positive(name: str, value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+class PlanCursor:
+    """Deals the plan's micro-batches step by step; holds the run's entire data state."""
+
+    def __init__(self, plan: Plan, *, world_size: int = 1, grad_accum: int = 1, epoch: int = 0) -> None:
+        self.plan = plan
+        self.world_size = _check_positive("world_size", world_size)
+        self.grad_accum = _check_positive("grad_accum", grad_accum)
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self.topology_version = 0
+        self.step = 0
+        self.epoch, self.window, self.window_start, self.offset, self.micro_batch = epoch, 0, 0, 0, 0
+        self.budget = self.next_budget = plan.budget
+        self._current: WindowPlan | None = None
+
+    def epoch_delivered(self, epoch: int) -> bool:
+        """True once every micro-batch of ``epoch`` has been dealt."""
+        return self.epoch > epoch
+
+    def next_step(self, stop: Callable[[], bool] | None = None) -> Step:
+        """Deal the next step at the current topology and advance past it.
+
+        ``stop`` is asked before each micro-batch is dealt (a step of a large world deals many):
+        when it returns True, dealing is abandoned with `DealingStopped` and the cursor is left
+        where it was before the step.
+        """
+        count = self.world_size * self.grad_accum
+        if stop is None:
+            dealt = tuple(self._next_micro_batch() for _ in range(count))
+        else:
+            saved = (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
+                     self.next_budget, self._current)
+            dealing = []
+            for _ in range(count):
+                if stop():
+                    (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
+                     self.next_budget, self._current) = saved
+                    raise DealingStopped(f"dealing step {self.step} was stopped")
+                dealing.append(self._next_micro_batch())
+            dealt = tuple(dealing)
+        step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, dealt)
+        self.step += 1
+        return step
+
+    def _window_plan(self) -> WindowPlan:
+        if self._current is None:
+            self._current = self.plan.window(
+                self.epoch, self.window, self.window_start, budget=self.budget, first_index=self.micro_batch - self.offset
+            )
+        return self._current
+
+    def _next_micro_batch(self) -> MicroBatch:
+        current = self._window_plan()
+        while self.offset >= len(current.micro_batches):  # a window left empty by its predecessor's borrowing
+            self._advance(current)
+            current = self._window_plan()
+        micro_batch = current.micro_batches[self.offset]
+        self.offset += 1
+        self.micro_batch += 1
+        if self.offset == len(current.micro_batches):
+            self._advance(current)
+        return micro_batch
+
+    def _advance(self, current: WindowPlan) -> None:
+        if current.last:
+            self.epoch, self.window, self.window_start, self.micro_batch = self.epoch + 1, 0, 0, 0
+        else:
+            self.window, self.window_start = self.window + 1, current.next_start
+        self.offset = 0
+        self.budget = self.next_budget
+        self._current = None
+
+    def resize(self, world_size: int, grad_accum: int | None = None) -> bool:
+        """Deal later steps to ``world_size`` ranks (and ``grad_accum``); True if the topology changed."""
+        world_size = _check_positive("world_size", world_size)
+        grad_accum = self.grad_accum if grad_accum is None else _check_positive("grad_accum", grad_accum)
+        if (world_size, grad_accum) == (self.world_size, self.grad_accum):
+            return False
+        self.world_size, self.grad_accum = world_size, grad_accum
+        self.topology_version += 1
+        return True
+
+    def report_headroom(self, headroom: float) -> float | None:
+        """Memory feedback: the fraction of accelerator memory left free at the last step's peak.
+
+        Steers the budget of the windows after the current one toward the configured target
+        headroom, within the configured bounds, and returns it (None for fixed-size batches).
+        Report the same value on every rank (e.g. the minimum over ranks), or ranks disagree.
+        """
+        bucketing = self.plan.bucketing
+        if bucketing is None or self.next_budget is None:
+            return None
+        if not 0.0 <= headroom <= 1.0:
+            raise ValueError(f"headroom is a fraction of memory in [0, 1], got {headroom}")
+        low, high = bucketing.bounds
+        # Used memory scales with the budget: aim for (1 - target) of memory in use.
+        scale = (1.0 - bucketing.target_headroom) / max(1.0 - headroom, 1e-6)
+        self.next_budget = float(min(high, max(low, round(self.next_budget * min(scale, 1.25), 6))))
+        return self.next_budget
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole data state: a small JSON-serializable dict of constant size."""
+        return {
+            "format": STATE_FORMAT,
+            "index_fingerprint": self.plan.index_fingerprint,
+            "config_fingerprint": self.plan.config_fingerprint,
+            "topology_version": self.topology_version,
+            "world_size": self.world_size,
+            "grad_accum": self.grad_accum,
+            "step": self.step,
+            "epoch": self.epoch,
+            "window": self.window,
+            "window_start": self.window_start,
+            "offset": self.offset,
+            "micro_batch": self.micro_batch,
+            "budget": self.budget,
+            "next_budget": self.next_budget,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state``; a world size or accumulation other than this cursor's is a resize.
+
+        Raises ``StateMismatchError`` for a state of another index or batching config,
+        and ``ValueError`` for a malformed state. ``state`` is not modified.
+        """
+        keys = set(state)
+        if keys != _STATE_KEYS:
+            missing, unknown = sorted(_STATE_KEYS - keys), sorted(keys - _STATE_KEYS)
+            raise ValueError(f"not a plan state: missing keys {missing}, unknown keys {unknown}")
+        if state["format"] != STATE_FORMAT:
+            raise ValueError(f"plan state format {state['format']!r}; this omnifeed reads {STATE_FORMAT!r}")
+        for what in ("index_fingerprint", "config_fingerprint"):
+            mine = getattr(self.plan, what)
+            if state[what] != mine:
+                raise StateMismatchError(
+                    f"the saved state belongs to another {'index' if what == 'index_fingerprint' else 'batching config'}: "
+                    f"state {what} {state[what]} != {mine}. Resume with the index and plan config the state "
+                    "was saved with, or start a new run without the state"
+                )
+        for name in _COUNTERS:
+            value = state[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"plan state {name} must be a non-negative integer, got {value!r}")
+        if state["window_start"] > self.plan.num_samples or state["offset"] > state["micro_batch"]:
+            raise ValueError("plan state position is outside this index; was it edited by hand?")
+        for name in ("budget", "next_budget"):
+            if (state[name] is None) != (self.plan.budget is None):
+                raise ValueError(f"plan state {name} {state[name]!r} does not fit this plan's batching")
+        self.step, self.epoch, self.window = state["step"], state["epoch"], state["window"]
+        self.window_start, self.offset, self.micro_batch = state["window_start"], state["offset"], state["micro_batch"]
+        self.budget, self.next_budget = state["budget"], state["next_budget"]
+        self.topology_version = state["topology_version"]
+        self._current = None
+        if (state["world_size"], state["grad_accum"]) != (self.world_size, self.grad_accum):
+            self.topology_version += 1
+
+
+def steps_left_in_epoch(plan: Plan, state: Mapping[str, Any]) -> int:
+    """Steps dealt from ``state`` (at its own topology) until its epoch is delivered.
+
+    Plans the rest of the epoch window by window (O(samples left), nothing decoded or read):
+    the number of micro-batches a cost budget makes is known only by planning them.
+    """
+    cursor = PlanCursor(plan, world_size=int(state["world_size"]), grad_accum=int(state["grad_accum"]))
+    cursor.load_state_dict(state)
+    epoch, steps = cursor.epoch, 0
+    while not cursor.epoch_delivered(epoch):
+        cursor.next_step()
+        steps += 1
+    return steps

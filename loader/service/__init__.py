@@ -1,0 +1,44 @@
+"""omnifeed.loader.service: the sidecar — server, streams, shared-memory arena, protocol, metrics endpoint."""
+
+from ._arena import tensor_decoder
+from ._config import ServiceConfig, default_socket
+from ._metrics import start_metrics_server
+from ._protocol import (
+    MAX_REPLY_BYTES,
+    PROTOCOL,
+    ProtocolError,
+    ServiceError,
+    ServiceUnavailableError,
+    UntrustedServiceError,
+    check_reply,
+    connect,
+    decode,
+    receive,
+    receive_frame,
+    request_metrics,
+    send,
+    wait_until_serving,
+)
+from ._server import FeedService
+
+__all__ = [
+    "FeedService",
+    "MAX_REPLY_BYTES",
+    "PROTOCOL",
+    "ProtocolError",
+    "ServiceConfig",
+    "ServiceError",
+    "ServiceUnavailableError",
+    "UntrustedServiceError",
+    "check_reply",
+    "connect",
+    "decode",
+    "default_socket",
+    "receive",
+    "receive_frame",
+    "request_metrics",
+    "send",
+    "start_metrics_server",
+    "tensor_decoder",
+    "wait_until_serving",
+]

@@ -1,0 +1,60 @@
+"""`ServiceConfig`: what `omnifeed serve` runs, as validated data (YAML or Python)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .._config import load_yaml, validated
+from .._config_paths import SERVICE_PATHS, resolve_paths
+from ..feed._config import FeedConfig
+
+
+def default_socket() -> str:
+    """``$TMPDIR/omnifeed-$UID/feed.sock``: a per-user directory the service creates with mode 0700."""
+    return str(Path(tempfile.gettempdir()) / f"omnifeed-{os.getuid()}" / "feed.sock")
+
+
+class ServiceConfig(BaseModel):
+    """The sidecar service: which index it feeds, how (the feed config), where it listens, what it records."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: str = Field(description="The index directory (`omnifeed index`); a relative path in YAML is relative to "
+                       "the YAML file's folder, as every path of the file is.")
+    feed: FeedConfig = Field(default_factory=FeedConfig, description="The feed engine: plan, decoding, pools, cache.")
+    socket: str = Field(
+        default_factory=default_socket,
+        description="Unix socket path. Its directory is created with mode 0700 and must belong to this user.",
+    )
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535, description="Prometheus endpoint port (0: any free port; null: no endpoint)."
+    )
+    metrics_host: str = Field(default="127.0.0.1", description="Address the Prometheus endpoint binds.")
+    audit_log: str | None = Field(
+        default=None, description="Append one JSON line per delivered micro-batch here (what `omnifeed verify` reads)."
+    )
+    prefetch_batches: int = Field(
+        default=4, ge=1, description="Collated batches each stream keeps ready in shared memory ahead of its clients."
+    )
+    stream_idle_s: float = Field(
+        default=30.0, ge=0, description="A stream without clients keeps its prefetched batches this long, then closes."
+    )
+    max_clients: int = Field(default=256, ge=1, description="Connections served at once; more are refused.")
+    idle_timeout_s: float = Field(
+        default=300.0, gt=0, description="A connection that sends no request for this long is closed (error `idle`; "
+        "a FeedClient reconnects where it was).")
+    frame_timeout_s: float = Field(
+        default=10.0, gt=0, description="A new connection must send its first request within this, and a request "
+        "once begun must arrive whole within this (and a reply be taken); else the connection is closed.")
+    max_micro_batches_per_step: int = Field(
+        default=65536, ge=1, description="A hello whose data-parallel size × gradient accumulation (the micro-batches "
+        "a step deals) is larger is refused (error `topology`), as is one larger than an epoch of the plan.")
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> ServiceConfig:
+        """Load from YAML: ``index``, ``feed`` (a feed config), ``socket``, ``metrics_port``, ... (docs/config.md)."""
+        return validated(cls, resolve_paths(load_yaml(path), Path(path), SERVICE_PATHS), source=path)

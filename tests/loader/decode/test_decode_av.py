@@ -1,0 +1,154 @@
+"""Video and audio decoding with PyAV: sampling by timestamp, early stop, resize, resampling."""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import av
+import numpy as np
+import pytest
+
+import omnifeed.loader.decode._video as decode_video_module
+from omnifeed.bucketing import CostModel, stream_lengths
+from omnifeed.bucketing._cost import INDEX_COLUMNS
+from omnifeed.loader.decode._registry import decode_audio, decode_video, resized_size
+from omnifeed.loader.decode._config import AudioDecodeConfig, VideoDecodeConfig
+from omnifeed.tools._demo_data import encode_flac, encode_video
+
+
+def _clip(frames: int, fps: int, gop: int, width: int = 64, height: int = 48) -> bytes:
+    """An H.264 MP4 (with B-frames) whose frame i is filled with grey level (7·i) mod 256, a keyframe every ``gop``."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream: Any = out.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.thread_count, stream.codec_context.gop_size = 1, gop
+        stream.codec_context.options = {"preset": "veryfast", "keyint_min": str(gop), "sc_threshold": "0"}
+        for i in range(frames):
+            img = np.full((height, width, 3), (7 * i) % 256, np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(img, format="rgb24")))
+        out.mux(stream.encode(None))
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def long_clip() -> bytes:
+    """300 frames at 25 fps, a keyframe every 12 frames."""
+    return _clip(300, 25, 12)
+
+
+@pytest.fixture(scope="module")
+def every_frame(long_clip: bytes) -> np.ndarray:
+    """All 300 frames of ``long_clip`` at native size, decoded sequentially (the reference)."""
+    return decode_video(long_clip, VideoDecodeConfig(resize="none", max_frames=300))
+
+
+class _Counter:
+    """Counts the frames the video decoder gets out of the codec."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.frames = 0
+        original = decode_video_module._Decoder._take
+
+        def take(decoder: Any, frames: list[Any]) -> None:
+            self.frames += len(frames)
+            original(decoder, frames)
+
+        monkeypatch.setattr(decode_video_module._Decoder, "_take", take)
+
+
+def test_every_frame_decodes_in_order(every_frame: np.ndarray) -> None:
+    assert every_frame.shape == (300, 3, 48, 64) and every_frame.dtype == np.uint8
+    grey = every_frame[:, 0, 24, 32].astype(np.int64)
+    assert np.all(np.abs(grey - np.array([(7 * i) % 256 for i in range(300)])) <= 3)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8, 64])
+def test_num_frames_are_spread_uniformly_and_exact(long_clip: bytes, every_frame: np.ndarray, n: int) -> None:
+    out = decode_video(long_clip, VideoDecodeConfig(num_frames=n, resize="none", max_frames=64))
+    expected = [i * 300 // n for i in range(n)]
+    assert np.array_equal(out, every_frame[expected])  # decoding from a keyframe gives the same pixels
+
+
+def test_num_frames_decodes_far_fewer_frames_than_the_clip_has(
+    long_clip: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counter = _Counter(monkeypatch)
+    out = decode_video(long_clip, VideoDecodeConfig(num_frames=2))
+    assert out.shape[0] == 2
+    assert counter.frames <= 2 * 12 + 4  # at most a GOP per chosen frame (+ the codec's reorder delay), not 300
+
+
+def test_first_frames_stop_early(long_clip: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    counter = _Counter(monkeypatch)
+    out = decode_video(long_clip, VideoDecodeConfig(max_frames=4, resize="none"))
+    assert out.shape == (4, 3, 48, 64)
+    assert counter.frames <= 4 + 4
+
+
+@pytest.mark.parametrize(
+    ("frames", "native", "fps"), [(100, 25, 10.0), (300, 25, 1.0), (50, 25, 25.0), (40, 10, 30.0), (30, 24, 7.5)]
+)
+def test_fps_sampling_gives_the_cost_models_frame_count(frames: int, native: int, fps: float) -> None:
+    clip = _clip(frames, native, 12, 32, 24)
+    out = decode_video(clip, VideoDecodeConfig(fps=fps, resize="none", max_frames=64))
+    columns = dict.fromkeys(INDEX_COLUMNS, np.zeros(1))
+    columns.update(video_frames=np.array([frames]), video_fps=np.array([float(native)]),
+                   video_width=np.array([32]), video_height=np.array([24]))
+    model = CostModel(video_fps=fps, video_max_frames=64, image_resize="none", patch_size=1)
+    assert out.shape[0] * 32 * 24 == stream_lengths(columns, model)["video"][0]
+    assert out.shape[0] == min(64, math.ceil(frames * fps / native) if native > fps else frames)
+
+
+def test_fps_sampling_takes_the_frame_shown_at_each_time(long_clip: bytes, every_frame: np.ndarray) -> None:
+    out = decode_video(long_clip, VideoDecodeConfig(fps=2.0, resize="none", max_frames=64))
+    assert np.array_equal(out, every_frame[[k * 25 // 2 for k in range(24)]])  # shown at k/2 s
+
+
+def test_short_clip_gives_fewer_frames_than_asked() -> None:
+    out = decode_video(_clip(5, 10, 5), VideoDecodeConfig(num_frames=8))
+    assert out.shape[0] == 5
+
+
+@pytest.mark.parametrize("resize", ["short_side", "fixed", "none"])
+def test_frames_are_resized_by_policy(resize: str) -> None:
+    clip = encode_video(6, 80, 60, 10)
+    config = VideoDecodeConfig(resize=resize, size=32)  # type: ignore[arg-type]
+    out = decode_video(clip, config)
+    w, h = resized_size(80, 60, resize, 32, config.max_size)
+    assert out.shape == (6, 3, h, w) and out.flags.c_contiguous
+
+
+def test_vp9_webm_decodes() -> None:
+    out = decode_video(encode_video(8, 64, 48, 10, codec="libvpx-vp9"), VideoDecodeConfig(num_frames=4, resize="none"))
+    assert out.shape == (4, 3, 48, 64)
+
+
+def test_audio_is_resampled_to_16k_mono_with_the_right_length() -> None:
+    out = decode_audio(encode_flac(2.0, 22050, 2), AudioDecodeConfig())
+    assert out.dtype == np.float32 and out.shape[0] == 1
+    assert abs(out.shape[1] - 32000) <= 320
+    assert float(np.abs(out).max()) <= 1.0 and float(np.abs(out).max()) > 0.01
+
+
+def test_audio_stereo_output_keeps_two_channels() -> None:
+    out = decode_audio(encode_flac(0.5, 16000, 1), AudioDecodeConfig(channels=2, sample_rate=22050))
+    assert out.shape[0] == 2 and abs(out.shape[1] - 11025) <= 111
+    assert np.allclose(out[0], out[1])  # mono upmixed to both channels
+
+
+def test_audio_keeps_the_tone() -> None:
+    rate, n = 22050, 22050
+    tone = (0.5 * np.sin(2 * np.pi * 440 * np.arange(n) / rate) * 32767).astype(np.int16)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="flac") as out:
+        stream: Any = out.add_stream("flac", rate=rate, layout="mono")
+        frame = av.AudioFrame.from_ndarray(tone[None, :], format="s16", layout="mono")
+        frame.sample_rate = rate
+        out.mux(stream.encode(frame))
+        out.mux(stream.encode(None))
+    audio = decode_audio(buf.getvalue(), AudioDecodeConfig(sample_rate=16000))[0]
+    peak = np.argmax(np.abs(np.fft.rfft(audio))) * 16000 / audio.size
+    assert abs(peak - 440) < 5 and abs(np.abs(audio).max() - 0.5) < 0.02

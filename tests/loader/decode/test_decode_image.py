@@ -1,0 +1,120 @@
+"""Image decoding: shapes, resize policies agreeing with the cost model, crop, draft mode, pixel modes."""
+
+from __future__ import annotations
+
+import io
+import itertools
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from omnifeed.bucketing import CostModel
+from omnifeed.bucketing._cost import _resized
+from omnifeed.loader.decode._registry import decode_image, resized_size
+from omnifeed.loader.decode._config import ImageDecodeConfig
+from omnifeed.tools._demo_data import encode_image
+
+
+def _encode(image: Image.Image, fmt: str) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+SIDES = [1, 2, 3, 7, 13, 31, 100, 111, 223, 224, 225, 299, 333, 480, 500, 640, 1000, 1023, 1025, 4000, 12345]
+
+
+@pytest.mark.parametrize(
+    ("resize", "size", "max_size"),
+    [("short_side", 224, 1024), ("short_side", 384, 512), ("short_side", 7, 9), ("fixed", 224, 1024),
+     ("none", 224, 1024)],
+)
+def test_output_size_equals_the_cost_models_for_every_source_size(resize: str, size: int, max_size: int) -> None:
+    pairs = list(itertools.product(SIDES, SIDES))
+    width, height = (np.array(v) for v in zip(*pairs))
+    model = CostModel(image_resize=resize, image_size=size, max_image_size=max_size)  # type: ignore[arg-type]
+    want_w, want_h = _resized(width, height, model)
+    for (w, h), ww, wh in zip(pairs, want_w, want_h):
+        got = resized_size(w, h, resize, size, max_size)
+        if ww > 0 and wh > 0:
+            assert got == (int(ww), int(wh)), (w, h)
+        else:  # the model's rounding reached 0 for an extreme aspect ratio: the decoder keeps 1 pixel
+            assert got == (max(1, int(ww)), max(1, int(wh))), (w, h)
+
+
+@pytest.mark.parametrize(("width", "height"), [(640, 480), (480, 640), (100, 37), (3000, 40), (224, 224), (17, 4)])
+@pytest.mark.parametrize("fmt", ["jpg", "png"])
+def test_decoded_image_has_the_planned_shape_and_dtype(width: int, height: int, fmt: str) -> None:
+    data = encode_image(width, height, fmt)
+    for resize in ("short_side", "fixed", "none"):
+        config = ImageDecodeConfig(resize=resize)  # type: ignore[arg-type]
+        out = decode_image(data, config, key="k")
+        w, h = resized_size(width, height, resize, config.size, config.max_size)
+        assert out.shape == (3, h, w) and out.dtype == np.uint8 and out.flags.c_contiguous
+
+
+def test_native_size_keeps_the_pixels() -> None:
+    rgb = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
+    out = decode_image(_encode(Image.fromarray(rgb), "PNG"), ImageDecodeConfig(resize="none"))
+    assert np.array_equal(out, rgb.transpose(2, 0, 1))
+
+
+def test_center_crop_takes_the_middle_square() -> None:
+    rgb = np.zeros((100, 300, 3), np.uint8)
+    rgb[:, 100:200] = 255  # the centre square is white, the sides black
+    out = decode_image(_encode(Image.fromarray(rgb), "PNG"), ImageDecodeConfig(crop="center", size=50))
+    assert out.shape == (3, 50, 50)
+    assert out[:, :, 2:-2].min() == 255
+
+
+def _smooth_jpeg(width: int, height: int) -> bytes:
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x * 255 // width, y * 255 // height, (x + y) % 256], axis=-1).astype(np.uint8)
+    return _encode(Image.fromarray(rgb), "JPEG")
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "size"), [(640, 480, 224), (1280, 960, 100), (500, 333, 224), (2400, 1800, 224)]
+)
+def test_draft_mode_changes_speed_not_size(width: int, height: int, size: int) -> None:
+    data = _smooth_jpeg(width, height)
+    fast = decode_image(data, ImageDecodeConfig(size=size, draft=True))
+    full = decode_image(data, ImageDecodeConfig(size=size, draft=False))
+    assert fast.shape == full.shape
+    assert np.abs(fast.astype(np.float32) - full.astype(np.float32)).mean() < 4.0  # DCT-domain downscale: close, not equal
+    crop_fast = decode_image(data, ImageDecodeConfig(size=size, crop="center", draft=True))
+    assert crop_fast.shape == (3, size, size)
+
+
+@pytest.mark.parametrize(
+    ("mode", "fmt"),
+    [("L", "PNG"), ("LA", "PNG"), ("RGBA", "PNG"), ("P", "PNG"), ("P", "GIF"), ("1", "PNG"), ("CMYK", "JPEG"),
+     ("I;16", "PNG"), ("F", "TIFF"), ("RGB", "WEBP"), ("RGB", "BMP")],
+)
+def test_every_common_pixel_mode_becomes_rgb(mode: str, fmt: str) -> None:
+    base = Image.fromarray(np.random.default_rng(1).integers(0, 256, (24, 40, 3), dtype=np.uint8))
+    image = base.convert(mode) if mode not in ("I;16", "F") else base.convert("L").convert(mode)
+    out = decode_image(_encode(image, fmt), ImageDecodeConfig(resize="none"))
+    assert out.shape == (3, 24, 40) and out.dtype == np.uint8
+
+
+def test_sixteen_bit_grey_keeps_its_high_byte() -> None:
+    grey = np.full((8, 8), 0xAB00, dtype=np.uint16)
+    out = decode_image(_encode(Image.fromarray(grey), "PNG"), ImageDecodeConfig(resize="none"))
+    assert int(out.min()) == int(out.max()) == 0xAB
+
+
+def test_transparent_palette_image_decodes_without_warnings(recwarn: pytest.WarningsRecorder) -> None:
+    buf = io.BytesIO()
+    Image.new("P", (16, 16), 3).save(buf, format="GIF", transparency=3)
+    out = decode_image(buf.getvalue(), ImageDecodeConfig(resize="none"))
+    assert out.shape == (3, 16, 16)
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_multi_picture_jpeg_decodes_its_first_picture_with_draft() -> None:
+    buf, second = io.BytesIO(), Image.new("RGB", (640, 480))
+    Image.new("RGB", (640, 480), "red").save(buf, format="MPO", save_all=True, append_images=[second])
+    out = decode_image(buf.getvalue(), ImageDecodeConfig(formats=("JPEG",)))
+    assert out.shape == (3, 224, 299) and out[0].min() > 240 and out[2].max() < 15

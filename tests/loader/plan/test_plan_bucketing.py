@@ -1,0 +1,114 @@
+"""The plan with bucketing and packing: budgets, pack metadata, memory feedback across resumes, reports."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_plan import FP, synthetic_lengths
+
+from omnifeed.bucketing import BucketingConfig, CostModel, padded_cost
+from omnifeed.loader import OmnifeedError, Plan, PlanConfig, PlanCursor
+from omnifeed.loader.plan._report import PlanReport
+
+N = 3000
+
+
+def _plan(window_size: int = 1500, **bucketing: object) -> Plan:
+    config = PlanConfig(seed=2, window_size=window_size, bucketing=BucketingConfig(**bucketing))
+    return Plan(N, config, index_fingerprint=FP, lengths=synthetic_lengths(N))
+
+
+def _epoch(plan: Plan, world_size: int = 4) -> list:
+    cursor, out = PlanCursor(plan, world_size=world_size), []
+    while not cursor.epoch_delivered(0):
+        out.extend(mb for mb in cursor.next_step().micro_batches if mb.epoch == 0)
+    return out
+
+
+def test_budgets_are_never_exceeded_and_costs_are_padded_costs() -> None:
+    plan = _plan(budget=20000, overlong="alone")
+    for mb in _epoch(plan):
+        lengths = plan.stream_lengths(mb.positions)
+        assert mb.cost == pytest.approx(padded_cost(lengths, plan.bucketing.cost))
+        assert mb.cost <= 20000 or len(mb.positions) == 1
+
+
+def _text_only(positions: np.ndarray) -> dict[str, np.ndarray]:
+    columns = synthetic_lengths(N)(positions)
+    return {name: values if name == "text_tokens" else np.zeros_like(values) for name, values in columns.items()}
+
+
+def test_bucketing_pads_far_less_than_fixed_size_batches() -> None:
+    budgeted = PlanConfig(seed=2, window_size=N, bucketing=BucketingConfig(budget=4000, overlong="alone"))
+    reports = [PlanReport(Plan(N, config, index_fingerprint=FP, lengths=_text_only))
+               for config in (budgeted, PlanConfig(seed=2, batch_size=16))]
+    for report in reports:
+        cursor = PlanCursor(report.plan, world_size=4)
+        while not cursor.epoch_delivered(0):
+            report.add(cursor.next_step())
+    bucketed, fixed = (r.stats() for r in reports)
+    assert bucketed["padding_fraction"]["text"] < 0.07 < 0.5 < fixed["padding_fraction"]["text"]
+    assert bucketed["balance_max_over_mean"]["mean"] < 1.05 < fixed["balance_max_over_mean"]["mean"]
+
+
+def test_packs_carry_consistent_boundaries_and_never_exceed_capacity() -> None:
+    plan = _plan(mode="packing", budget=700, overlong="split")
+    tokens = synthetic_lengths(N)(np.arange(N))["text_tokens"]
+    covered = np.zeros(N, dtype=np.int64)
+    for mb in _epoch(plan):
+        pack = mb.pack
+        assert pack is not None and pack.length <= 700 and mb.cost == pack.length
+        assert pack.cu_seqlens[-1] == pack.length == len(pack.position_ids)
+        for segment in pack.segments:
+            covered[segment.position] += segment.stop - segment.start
+            assert segment.stop <= tokens[segment.position]
+    assert np.array_equal(covered, tokens), "every token of every sample is packed exactly once"
+
+
+def test_an_overlong_sample_is_refused_naming_it() -> None:
+    plan = Plan(N, PlanConfig(bucketing=BucketingConfig(budget=50)), index_fingerprint=FP, lengths=synthetic_lengths(N),
+                describe=lambda p: f"key-{p}")
+    with pytest.raises(OmnifeedError, match=r"sample key-\d+ costs .* over the micro-batch budget 50"):
+        _epoch(plan)
+
+
+def test_memory_feedback_replays_identically_after_resume() -> None:
+    def run(resume_at: int | None) -> list[tuple[float | None, float, tuple[int, ...]]]:
+        config = dict(window_size=200, budget=20000, overlong="alone", min_budget=2000)
+        cursor, out = PlanCursor(_plan(**config), world_size=2), []
+        for step_number in range(40):
+            if step_number == resume_at:
+                state = json.loads(json.dumps(cursor.state_dict()))
+                cursor = PlanCursor(_plan(**config), world_size=2)
+                cursor.load_state_dict(state)
+            budget = cursor.budget
+            step = cursor.next_step()
+            out.extend((budget, mb.cost, tuple(mb.positions.tolist())) for mb in step.micro_batches)
+            if step_number % 7 == 3:  # the trainer reports little headroom now and then
+                cursor.report_headroom(0.02 if step_number < 20 else 0.5)
+        return out
+
+    uninterrupted = run(None)
+    budgets = [budget for budget, _, _ in uninterrupted]
+    assert min(budgets) < 20000 and budgets[-1] > min(budgets), "feedback lowered, then raised the budget"
+    for resume_at in (5, 11, 23):
+        assert run(resume_at) == uninterrupted
+
+
+def test_feedback_stays_within_bounds() -> None:
+    cursor = PlanCursor(_plan(budget=20000, min_budget=5000, max_budget=30000))
+    for _ in range(50):
+        cursor.report_headroom(0.0)
+    assert cursor.next_budget == 5000
+    for _ in range(50):
+        cursor.report_headroom(0.9)
+    assert cursor.next_budget == 30000
+    assert PlanCursor(Plan(N, PlanConfig(), index_fingerprint=FP)).report_headroom(0.5) is None
+
+
+def test_cost_model_weights_change_the_budget_accounting() -> None:
+    heavy_text = _plan(budget=20000, overlong="alone", cost=CostModel(weights={"text": 4.0, "image": 1.0}))
+    light_text = _plan(budget=20000, overlong="alone")
+    assert len(_epoch(heavy_text)) > len(_epoch(light_text))
