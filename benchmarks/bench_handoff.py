@@ -8,7 +8,7 @@ the size, plus the feed format's ``sizes``/``index`` int64 side tensors, ``__key
 1. ``service``: a real `FeedService` in its own process (multiprocessing ``spawn``) over a
    generated image index (one tiny JPEG repeated, 16 batches of the largest size; plan:
    ``batch_size=n``, ``drop_last``, permutation shuffle). Decoding is taken out of the
-   picture: in the service process ``Feed._take`` is replaced by `premade_take`, which deals
+   picture: in the service process ``Feed.take`` is replaced by `premade_take`, which deals
    the micro-batch the way the feed's pipeline does (a `PlanCursor` from the feed's position,
    the micro-batch's real keys from a table read once, ``__info__`` and delivery record, the
    position moved past it) and returns ``n`` pre-decoded 3×224×224 pictures, the same ones
@@ -100,7 +100,7 @@ def batch_bytes(batch: dict[str, Any]) -> int:
 
 # -- the service side: a feed that deals micro-batches without decoding ----------------------
 def premade_take(samples: list[dict[str, Any]], keys: list[str]) -> Callable[[Feed], Taken]:
-    """A ``Feed._take`` that deals the next micro-batch like the feed's pipeline, with ``samples`` as its decoded samples.
+    """A ``Feed.take`` that deals the next micro-batch like the feed's pipeline, with ``samples`` as its decoded samples.
 
     ``keys``: every sample key of the index, by position (read once: ``SampleIndex.keys`` costs
     ~0.75 ms a call whatever the batch size, index work that is not the hand-off either).
@@ -133,7 +133,7 @@ def serve(index: str, socket_path: str, n: int, conn: Connection) -> None:
     """The service process: a `FeedService` whose feeds deal pre-decoded pictures; stops when ``conn`` says so."""
     every = SampleIndex(index)
     keys = every.keys(np.arange(every.num_samples))
-    Feed._take = premade_take(pictures(n), keys)  # type: ignore[method-assign]
+    Feed.take = premade_take(pictures(n), keys)  # type: ignore[method-assign]
     config = ServiceConfig(index=index, socket=socket_path,
                            feed=FeedConfig(plan=PlanConfig(batch_size=n, drop_last=True, seed=0)))
     with FeedService(config):

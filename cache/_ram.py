@@ -2,7 +2,7 @@
 
 Layout of the segment (all little-endian)::
 
-    header   4 KiB   magic, geometry, ring head/tail, occupancy, a dirty flag, time of last use
+    header   4 KiB   magic, geometry, ring head/tail, occupancy, a dirty flag, time of last use (``_ram_layout``)
     slots    n x 32  open-addressing table: key (16 B), arena offset, length, in-use flag
     sketch   4 x w   frequency counters (admission)
     arena            a ring of entries: [key 16 B | length 4 B | pad 4 B | data], 8-byte aligned
@@ -24,52 +24,32 @@ import logging
 import mmap
 import os
 import shutil
-import tempfile
 import threading
 import time
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ._config import RamTierConfig
 from ._errors import CacheError
+from ._ram_layout import (_H_CAPACITY, _H_DIRTY, _H_ENTRIES, _H_HEAD, _H_MAGIC, _H_READY, _H_RESETS,
+                          _H_SKETCH_OPS, _H_SLOTS, _H_TAIL, _H_USED, _H_USED_AT, _H_VERSION, _H_WIDTH, _HEADER_BYTES,
+                          _MAGIC, _VERSION, _segment_name, _segment_path)
+from ._ram_segments import RamSegment, find_segment, list_segments
 from ._sketch import SCAN_LIMIT, FrequencySketch, keeps_victim
-
-if TYPE_CHECKING:
-    from ._ram_segments import RamSegment
 
 log = logging.getLogger(__name__)
 
-_MAGIC = 0x3164656566696E6F  # b"onifeed1"
-_VERSION = 1
-_HEADER_BYTES = 4096
 _ENTRY_HEADER = 24
 _WRAP = 0xFFFFFFFF
 _SLOT = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("offset", "<u8"), ("length", "<u4"), ("used", "u1"), ("_pad", "u1", 3)])
 _AVERAGE_ENTRY = 4096  # sizing assumption for the slot table and the sketch
 
-# header fields (uint64 indices)
-(_H_MAGIC, _H_VERSION, _H_CAPACITY, _H_SLOTS, _H_WIDTH, _H_HEAD, _H_TAIL, _H_USED, _H_ENTRIES,
- _H_SKETCH_OPS, _H_DIRTY, _H_RESETS, _H_READY, _H_USED_AT) = range(14)  # _H_USED_AT: unix seconds of the last get/put
-SEGMENT_PREFIX = "omnifeed-ram-"
-
 
 def _align(n: int) -> int:
     return (n + 7) & ~7
-
-
-def _segment_name(name: str) -> str:
-    return f"{SEGMENT_PREFIX}{name}"
-
-
-_SHM = Path("/dev/shm")
-
-
-def _segment_path(name: str) -> Path:
-    """The segment's file: POSIX shared memory lives in /dev/shm on Linux (elsewhere: the temp directory)."""
-    return (_SHM if _SHM.is_dir() else Path(tempfile.gettempdir())) / name
 
 
 def _attach(path: Path, size: int) -> tuple[mmap.mmap, bool]:
@@ -207,15 +187,11 @@ class RamTier:
 
         Read without locking or mapping: the figures are a snapshot. `omnifeed cache list` prints them.
         """
-        from ._ram_segments import list_segments
-
         return list_segments()
 
     @staticmethod
     def segment(name: str) -> RamSegment | None:
         """The segment called ``name`` (``RamTierConfig.name``); None when there is none, or the file is not one."""
-        from ._ram_segments import find_segment
-
         return find_segment(name)
 
     @staticmethod

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ._ram import (_H_CAPACITY, _H_ENTRIES, _H_MAGIC, _H_READY, _H_USED, _H_USED_AT, _H_VERSION, _MAGIC, _VERSION,
-                   SEGMENT_PREFIX, _segment_name, _segment_path)
+from ._ram_layout import (_H_CAPACITY, _H_ENTRIES, _H_FIELDS, _H_MAGIC, _H_READY, _H_USED, _H_USED_AT, _H_VERSION,
+                          _MAGIC, _VERSION, SEGMENT_PREFIX, _segment_name, _segment_path)
 
-_FIELDS = _H_USED_AT + 1
 SegmentState = Literal["ready", "other version", "uninitialised", "unreadable", "lock file only"]
 
 
@@ -68,12 +67,12 @@ def find_segment(name: str) -> RamSegment | None:
         return None
     try:
         info = os.fstat(fd)
-        raw = os.pread(fd, 8 * _FIELDS, 0) if stat.S_ISREG(info.st_mode) else b""
+        raw = os.pread(fd, 8 * _H_FIELDS, 0) if stat.S_ISREG(info.st_mode) else b""
     finally:
         os.close(fd)
-    if len(raw) < 8 * _FIELDS:
+    if len(raw) < 8 * _H_FIELDS:
         return None
-    header = struct.unpack(f"<{_FIELDS}Q", raw)
+    header = struct.unpack(f"<{_H_FIELDS}Q", raw)
     state: SegmentState
     if not any(header):
         state = "uninitialised"

@@ -25,7 +25,16 @@ from .decode import (
     VideoDecodeConfig,
     make_decoder,
 )
-from .feed import Feed, FeedConfig, FeedError, PoolConfig
+from .feed import (
+    Feed,
+    FeedConfig,
+    FeedError,
+    HorizontalFlip,
+    PoolConfig,
+    RandomResizedCrop,
+    TransformsConfig,
+    UserTransform,
+)
 from .index import (
     FieldLocation,
     IndexConfig,
@@ -85,6 +94,7 @@ __all__ = [
     "FeedConfig",
     "FeedError",
     "FieldLocation",
+    "HorizontalFlip",
     "ImageDecodeConfig",
     "IndexConfig",
     "IndexFormatError",
@@ -98,6 +108,7 @@ __all__ = [
     "PlanConfig",
     "PlanCursor",
     "PoolConfig",
+    "RandomResizedCrop",
     "SampleIndex",
     "SampleLengths",
     "ShardSpec",
@@ -106,6 +117,8 @@ __all__ = [
     "Step",
     "StrictModel",
     "TextDecodeConfig",
+    "TransformsConfig",
+    "UserTransform",
     "VideoDecodeConfig",
     "build_index",
     "delivery_records",

@@ -109,14 +109,22 @@ def _parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_run_serve)
 
     index = _command(sub, "index", "scan sources into a hash-partitioned sample index",
-                     "omnifeed index 'shards/train-{0000..0099}.tar' --out index",
-                     "omnifeed index s3://bucket/train/ --out index --config omnifeed.yaml --workers 8")
-    index.add_argument("sources", nargs="+", metavar="SOURCE", help="tar shards, Parquet files or folders (fsspec URLs, globs, {a..b})")
+                     "omnifeed index 'shards/train-{0000..0099}.tar' --out index --config omnifeed.yaml --workers 8",
+                     "omnifeed index hf/train-00000-of-00002.parquet hf/train-00001-of-00002.parquet --out index")
+    index.description = (f"{index.description}. Exit status: 0 every sample indexed; {INDEX_DAMAGED_EXIT} indexed, "
+                         "with damaged samples left out (each named on stderr, counted in the manifest); "
+                         "1 a source, a shard or a key refused (the index holds the rest) or an error.")
+    index.add_argument("sources", nargs="+", metavar="SOURCE",
+                       help="tar shards, Parquet or Arrow files, folders (fsspec URLs, globs, {a..b})")
     index.add_argument("--out", required=True, help="index directory to write")
     index.add_argument("--config", help="YAML file; its 'index' section is an IndexConfig")
     index.add_argument("--partitions", type=int, help="Parquet partitions (default 16)")
     index.add_argument("--workers", type=int, help=f"scan processes (default {default_workers()})")
     index.add_argument("--tokenizer", help="text length measure: regex, whitespace, bytes or module:function")
+    index.add_argument("--key-column", metavar="NAME",
+                       help="Parquet/Arrow column holding the sample key (default __key__, else keys '<file stem>/<row>')")
+    index.add_argument("--strict", action="store_true", default=None,
+                       help="refuse a whole shard at its first damaged sample, instead of leaving that sample out")
     index.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
                        help="scan on the Ray cluster at ADDRESS (HOST:PORT; default: auto, the one this machine is in), "
                        "one task per group of shards; needs pip install 'omnifeed[ray]'")
@@ -315,10 +323,14 @@ def _flags(args: argparse.Namespace, names: Sequence[str]) -> dict[str, str]:
     return {name: "--" + name.replace("_", "-") for name in names if getattr(args, name, None) is not None}
 
 
+INDEX_DAMAGED_EXIT = 3
+"""`omnifeed index`'s exit status when damaged samples were left out (and nothing else went wrong)."""
+
+
 def _run_index(args: argparse.Namespace) -> int:
     values = _section(args.config, "index")
     values.setdefault("workers", default_workers())
-    flags = _flags(args, ("partitions", "workers", "tokenizer"))
+    flags = _flags(args, ("partitions", "workers", "tokenizer", "key_column", "strict"))
     for flag in flags:
         values[flag] = getattr(args, flag)
     config = validated(IndexConfig, values, source=args.config, section=("index",), flags=flags)
@@ -330,15 +342,20 @@ def _run_index(args: argparse.Namespace) -> int:
     else:
         report = build_index(args.sources, args.out, config, progress=not args.no_progress)
     summary = {"index": str(report.path), "samples": report.num_samples, "shards": report.shards,
-               "fingerprint": report.fingerprint, "errors": len(report.errors)}
+               "fingerprint": report.fingerprint, "errors": len(report.errors), "damaged": len(report.damaged)}
     print(json.dumps(summary))
+    for damaged in report.damaged:
+        print(f"omnifeed: damaged ({damaged['reason']}): {damaged['error']}", file=sys.stderr)
     for error in report.errors:
         print(f"omnifeed: error: {error['error']}", file=sys.stderr)
+    if report.damaged:
+        print(f"omnifeed: {len(report.damaged)} damaged sample(s) left out, named above; the index holds the rest "
+              "(--strict refuses their shards instead).", file=sys.stderr)
     if report.errors:
         print(f"omnifeed: error: {len(report.errors)} problem(s); the index holds the rest. "
               "Fix or remove the sources named above and re-run `omnifeed index`.", file=sys.stderr)
         return 1
-    return 0
+    return INDEX_DAMAGED_EXIT if report.damaged else 0
 
 
 def _check_ray_flags(args: argparse.Namespace) -> None:

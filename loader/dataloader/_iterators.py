@@ -3,7 +3,9 @@
 An iterator runs one epoch (persistent workers: one epoch at a time): it starts the index stream,
 draws the worker base seed from the loader's generator exactly where torch does, fetches batches, and
 records its progress in an ``EpochProgress`` the loader keeps, so ``state_dict()`` works even after
-the iterator is gone.
+the iterator is gone. An iterator never sees the loader: it takes the loader's ``LoaderSettings``
+(``_settings``), the ``LoaderMetrics`` it counts into, and the progress to resume from; the loader
+reads the progress back from ``iterator.progress`` (and ``restart()`` for persistent workers).
 """
 
 from __future__ import annotations
@@ -12,17 +14,15 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory
 
 from ._fetch import BatchFetcher
 from ._sampling import IndexStream
+from ._settings import LoaderSettings
 from ._state import EpochProgress
-
-if TYPE_CHECKING:
-    from ._loader import DataLoader
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +53,15 @@ def draw_base_seed(generator: torch.Generator | None) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
-def _pin_memory_settings(loader: DataLoader[Any]) -> tuple[bool, str | None]:
+def _pin_memory_settings(settings: LoaderSettings) -> tuple[bool, str | None]:
     """Whether and where to pin, with torch's warnings."""
-    if loader.pin_memory and loader.pin_memory_device:
+    if settings.pin_memory and settings.pin_memory_device:
         warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as the device,"
-                      f"ignore pin_memory_device='{loader.pin_memory_device}'.", stacklevel=4)
-    if loader.pin_memory and not torch.accelerator.is_available():
+                      f"ignore pin_memory_device='{settings.pin_memory_device}'.", stacklevel=4)
+    if settings.pin_memory and not torch.accelerator.is_available():
         warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
                       "then device pinned memory won't be used.", stacklevel=4)
-    pin = loader.pin_memory and torch.accelerator.is_available()
+    pin = settings.pin_memory and torch.accelerator.is_available()
     accelerator = torch.accelerator.current_accelerator() if pin else None
     device = accelerator.type if accelerator is not None else None
     if device == "mps":
@@ -72,29 +72,30 @@ def _pin_memory_settings(loader: DataLoader[Any]) -> tuple[bool, str | None]:
 
 
 class LoaderIterator:
-    """One epoch of a loader: ``next()`` gives the next batch; progress kept for ``state_dict()``."""
+    """One epoch of a loader: ``next()`` gives the next batch; progress kept for ``state_dict()``.
 
-    def __init__(self, loader: DataLoader[Any], resume: EpochProgress | None) -> None:
-        self._dataset = loader.dataset
-        self._iterable = loader._is_iterable
-        self._auto_collation = loader._auto_collation
-        self._drop_last = loader.drop_last
-        self._index_sampler = loader._index_sampler
-        self._num_workers = loader.num_workers
-        self._collate_fn = loader.collate_fn
-        self._timeout = loader.timeout
-        self._generator = loader.generator
-        self._len_called: int | None = loader._IterableDataset_len_called
-        self._pin_memory, self._pin_memory_device = _pin_memory_settings(loader)
-        self._metrics: LoaderMetrics = loader._metrics
-        self._stream = IndexStream(self._index_sampler, loader.generator)
+    ``settings``: the loader's, as it makes this iterator; ``metrics``: the loader's counters, which this
+    iterator adds to; ``resume``: the progress to continue (a loaded or interrupted epoch), or None.
+    """
+
+    def __init__(self, settings: LoaderSettings, metrics: LoaderMetrics, resume: EpochProgress | None) -> None:
+        self._dataset = settings.dataset
+        self._iterable = settings.iterable
+        self._index_sampler = settings.index_sampler
+        self._num_workers = settings.num_workers
+        self._timeout = settings.timeout
+        self._generator = settings.generator
+        self._len_called = settings.iterable_len_called
+        self._pin_memory, self._pin_memory_device = _pin_memory_settings(settings)
+        self._metrics = metrics
+        self._stream = IndexStream(self._index_sampler, settings.generator)
         self._profile_name = f"enumerate(DataLoader)#{type(self).__name__}.__next__"
         self._skip_batches = 0
         self.closed = False
         # the dataset objects live on into the next epoch (main process, persistent workers), carrying their state
-        self._dataset_outlives_epoch = self._num_workers == 0 or loader.persistent_workers
+        self._dataset_outlives_epoch = self._num_workers == 0 or settings.persistent_workers
         # persistent workers keep their base seed across epochs: torch draws none for a later epoch
-        kept = resume.base_seed if resume is not None and resume.status == "finished" and loader.persistent_workers \
+        kept = resume.base_seed if resume is not None and resume.status == "finished" and settings.persistent_workers \
             else None
         self.progress = self._begin(resume, kept)
 
@@ -185,13 +186,13 @@ class LoaderIterator:
 class SingleProcessIterator(LoaderIterator):
     """Loads in the calling process (``num_workers=0``)."""
 
-    def __init__(self, loader: DataLoader[Any], resume: EpochProgress | None) -> None:
-        if loader.timeout != 0:
+    def __init__(self, settings: LoaderSettings, metrics: LoaderMetrics, resume: EpochProgress | None) -> None:
+        if settings.timeout != 0:
             raise AssertionError("timeout applies to worker processes: with num_workers=0 set timeout=0 "
                                  "(torch raises this AssertionError too)")
-        super().__init__(loader, resume)
-        self._fetcher = BatchFetcher(self._dataset, iterable=self._iterable, auto_collation=self._auto_collation,
-                                     collate_fn=self._collate_fn, drop_last=self._drop_last,
+        super().__init__(settings, metrics, resume)
+        self._fetcher = BatchFetcher(self._dataset, iterable=self._iterable, auto_collation=settings.auto_collation,
+                                     collate_fn=settings.collate_fn, drop_last=settings.drop_last,
                                      state=self.progress.datasets[0], ended=self.progress.ended[0])
         if self.progress.datasets[0] is None:  # what the epoch starts from, for a state saved before its first batch
             self.progress.datasets[0] = self._fetcher.initial_state

@@ -2,9 +2,10 @@
 
 It subclasses ``torch.utils.data.DataLoader`` and runs torch's own constructor, so arguments,
 validation errors, attributes (and which of them are frozen), ``len()`` and ``isinstance`` checks are
-torch's. Only the iterators are omnifeed's (``_dataloader_iter``, ``_dataloader_workers``): they
-record what each epoch delivered, so ``state_dict()`` / ``load_state_dict()`` resume exactly, and
-workers hand batches over through reused shared memory (``_dataloader_handoff``).
+torch's. Only the iterators are omnifeed's (``_iterators``, ``_worker_pool``): they record what each
+epoch delivered, so ``state_dict()`` / ``load_state_dict()`` resume exactly, and workers hand batches
+over through reused shared memory (``_handoff``). An iterator is given the loader's ``LoaderSettings``
+(``_settings``), never the loader itself.
 
 Keyword-only extras after torch's arguments:
 
@@ -34,6 +35,7 @@ from ._elastic import ElasticBatchSampler
 from ._feed_path import feed_batches, feed_steps_left, is_index, open_feed
 from ._iterators import LoaderIterator, LoaderMetrics, SingleProcessIterator
 from ._sampling import IndexStream
+from ._settings import LoaderSettings
 from ._state import EpochProgress, parse_state
 from ._worker_pool import WorkerPoolIterator
 from ..feed._feed import Feed
@@ -160,15 +162,27 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return super()._get_iterator()
         iterator: LoaderIterator
         if self.num_workers == 0:
-            iterator = SingleProcessIterator(self, resume)
+            iterator = SingleProcessIterator(self._settings(), self._metrics, resume)
         else:
             if self.num_workers != getattr(self, "_checked_workers", None):  # warn once per count, not per epoch
                 self.check_worker_number_rationality()
                 object.__setattr__(self, "_checked_workers", self.num_workers)
-            iterator = WorkerPoolIterator(self, resume)
+            iterator = WorkerPoolIterator(self._settings(), self._metrics, resume)
         self._progress = iterator.progress
         self._live = weakref.ref(iterator)
         return iterator
+
+    def _settings(self) -> LoaderSettings:
+        """What a new iterator reads of this loader (torch's attributes, as they are now)."""
+        return LoaderSettings(
+            dataset=self.dataset, iterable=self._is_iterable, auto_collation=self._auto_collation,
+            index_sampler=self._index_sampler, collate_fn=self.collate_fn, drop_last=self.drop_last,
+            num_workers=self.num_workers, prefetch_factor=self.prefetch_factor, timeout=self.timeout,
+            worker_init_fn=self.worker_init_fn, multiprocessing_context=self.multiprocessing_context,
+            persistent_workers=self.persistent_workers, in_order=self.in_order, generator=self.generator,
+            pin_memory=self.pin_memory, pin_memory_device=self.pin_memory_device,
+            iterable_len_called=self._IterableDataset_len_called,
+        )
 
     def __len__(self) -> int:
         if self._feed is not None:

@@ -15,7 +15,7 @@ import multiprocessing.connection
 import queue
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.multiprocessing
@@ -23,12 +23,10 @@ import torch.utils.data._utils as torch_data_utils
 from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
 
 from ._handoff import SlotReader, slots_per_worker
-from ._iterators import LoaderIterator
+from ._iterators import LoaderIterator, LoaderMetrics
+from ._settings import LoaderSettings
 from ._state import EpochProgress
 from ._worker_loop import Reply, StartEpoch, Task, WorkerSetup, worker_loop
-
-if TYPE_CHECKING:
-    from ._loader import DataLoader
 
 
 @dataclass
@@ -40,16 +38,16 @@ class _InFlight:
 class WorkerPoolIterator(LoaderIterator):
     """Loads in ``num_workers`` worker processes (kept across epochs with ``persistent_workers``)."""
 
-    def __init__(self, loader: DataLoader[Any], resume: EpochProgress | None) -> None:
-        if loader.prefetch_factor is None or loader.prefetch_factor <= 0:
+    def __init__(self, settings: LoaderSettings, metrics: LoaderMetrics, resume: EpochProgress | None) -> None:
+        if settings.prefetch_factor is None or settings.prefetch_factor <= 0:
             raise AssertionError("prefetch_factor must be greater than 0 with worker processes "
                                  "(torch raises this AssertionError too)")
-        super().__init__(loader, resume)
-        self._prefetch = loader.prefetch_factor * self._num_workers
-        self._in_order = loader.in_order
-        self._persistent = loader.persistent_workers
-        context = loader.multiprocessing_context or torch.multiprocessing
-        per_worker = slots_per_worker(loader.prefetch_factor)
+        super().__init__(settings, metrics, resume)
+        self._prefetch = settings.prefetch_factor * self._num_workers
+        self._in_order = settings.in_order
+        self._persistent = settings.persistent_workers
+        context = settings.multiprocessing_context or torch.multiprocessing
+        per_worker = slots_per_worker(settings.prefetch_factor)
         flags = context.RawArray("b", self._num_workers * per_worker)
         self._reader = SlotReader(flags, per_worker)
         self._replies = context.Queue()
@@ -62,8 +60,8 @@ class WorkerPoolIterator(LoaderIterator):
             tasks = context.Queue()
             tasks.cancel_join_thread()
             setup = WorkerSetup(
-                self._dataset, self._iterable, self._auto_collation, self._collate_fn, self._drop_last,
-                self.progress.base_seed, loader.worker_init_fn, worker_id, self._num_workers, flags, per_worker,
+                self._dataset, self._iterable, settings.auto_collation, settings.collate_fn, settings.drop_last,
+                self.progress.base_seed, settings.worker_init_fn, worker_id, self._num_workers, flags, per_worker,
             )
             process = context.Process(target=worker_loop, args=(setup, tasks, self._replies, self._done), daemon=True)
             process.start()

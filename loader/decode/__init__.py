@@ -1,7 +1,8 @@
-"""omnifeed.loader.decode: per-modality decoders and their configs, DALI, decode worker processes."""
+"""omnifeed.loader.decode: per-modality decoders and their configs, meta fields by type, DALI, decode worker processes."""
 
 from ._common import REASONS, DecodeError
 from ._config import AudioDecodeConfig, DecodeConfig, ImageDecodeConfig, TextDecodeConfig, VideoDecodeConfig
+from ._meta import decode_meta
 from ._registry import make_decoder
 
 __all__ = [
@@ -12,5 +13,6 @@ __all__ = [
     "REASONS",
     "TextDecodeConfig",
     "VideoDecodeConfig",
+    "decode_meta",
     "make_decoder",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,8 @@ REASONS: dict[str, str] = {
     "encoding": "the text is not valid UTF-8: re-encode it as UTF-8",
     "unsupported": "the file holds nothing this decoder can use (no stream of that kind, or an unsupported "
     "codec or pixel format): re-encode it, or map the field to 'meta' in IndexConfig.modalities",
+    "user": "a function of yours (a decoder, tokenizer or transform) raised or returned something the batch "
+    "cannot hold: fix the function named (the data may be fine)",
 }
 """The reasons a `DecodeError` may carry, each with what to do about it."""
 
@@ -32,11 +35,31 @@ class DecodeError(OmnifeedError):
 
     def __init__(self, detail: str, key: str = "?", modality: str = "?", reason: str = "corrupt") -> None:
         assert reason in REASONS, reason
-        super().__init__(f"cannot decode {modality} of sample {key!r} ({reason}): {detail}; {REASONS[reason]}")
+        what = "user code failed on" if reason == "user" else "cannot decode"
+        super().__init__(f"{what} {modality} of sample {key!r} ({reason}): {detail}; {REASONS[reason]}")
         self.detail, self.key, self.modality, self.reason = detail, key, modality, reason
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.detail, self.key, self.modality, self.reason), dict(self.__dict__))
+
+
+def function_name(function: Any) -> str:
+    """``module:qualname`` of a callable (a partial or a callable object by its class), for messages."""
+    target = getattr(function, "func", function)  # functools.partial
+    if not hasattr(target, "__qualname__"):
+        target = type(target)
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
+
+
+def user_code_error(function: str, exc: BaseException, key: str, modality: str, where: str) -> DecodeError:
+    """The `DecodeError` (reason 'user') for ``exc`` raised by the user's ``function`` on sample ``key``.
+
+    ``where`` names the field and its file (URL and member); the innermost frame of the
+    traceback is named too, so the message points at the line that failed.
+    """
+    frames = traceback.extract_tb(exc.__traceback__)
+    at = f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return DecodeError(f"{function} raised {type(exc).__name__}: {exc}{at} ({where})", key, modality, "user")
 
 
 def is_torch_tensor(value: Any) -> bool:

@@ -9,7 +9,7 @@ turns batches into tensors):
 | video | uint8 [T, 3, H, W] RGB | `_decode_video` (PyAV) |
 | audio | float32 [channels, samples] in [-1, 1] | `_decode_av` (PyAV) |
 | text | (str, int64 [tokens] ids) | `_decode_text` |
-| meta | the bytes unchanged | — |
+| meta | the bytes unchanged here; the feed decodes meta by field name and type with `_meta.decode_meta` (it needs the field name) | `_meta` |
 
 Bad input raises `DecodeError` with ``reason`` in `REASONS`. ``image.backend='dali'`` uses
 NVIDIA DALI when it is importable and otherwise falls back to Pillow, logging one warning

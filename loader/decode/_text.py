@@ -24,7 +24,7 @@ import numpy as np
 from ._common import DecodeError, as_numpy
 from ._config import TextDecodeConfig
 from .._errors import add_context
-from ..index._tokenizers import _import_function
+from .._user_code import import_function
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def resolve_tokenizer(spec: str) -> Callable[[str], Any] | None:
     name = spec.strip()
     if name == "bytes":
         return None
-    function = _import_function(name)  # ValueError naming what is wrong
+    function = import_function(name, "tokenizer")  # ValueError naming what is wrong
     logger.debug("text tokenized by %s", name)
     return function
 

@@ -13,7 +13,16 @@ not be read or decoded and was replaced by a batch-mate (see ``_healing``).
 ``sizes`` int64 ``[m, 2]`` (height, width), ``index``.
 ``"video"``: ``frames`` uint8 ``[m, T, 3, H, W]``, ``lengths`` (frames), ``sizes``, ``index``.
 ``"audio"``: ``samples`` float32 ``[m, C, S]``, ``lengths`` (samples), ``index``.
-``"meta"``: ``{field name: list of n bytes or None}`` (JSON, class labels, ... as stored).
+``"meta"``: ``{field name: values of the n slots}``, each field decoded by type
+(``loader/decode/_meta.py``): labels (``cls``, ``label``, an int Parquet column, ...) as ints,
+``.json`` parsed, text as str, bytes only where the type is unknown. A field that every slot
+has as an int is an int64 array ``[n]`` (a float64 array ``[n]`` when every slot has a number
+and one is a float); otherwise a list of ``n`` values with ``None`` where a slot lacks the
+field (so a label missing from one sample makes that batch's labels a list: check
+``isinstance(v, list)`` if the data may lack them). Arrays a user's decoder returns are copied
+into the batch's memory; tuples become lists and numpy scalars Python numbers, so the
+in-process feed and the service hand out the same values. (Before issue 18 every meta value
+was its stored bytes.)
 
 A modality no sample of the micro-batch has is absent from the dict; rows exist only for
 samples that have the modality, and ``index`` says whose they are.
@@ -30,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-Decoded = dict[str, Any]  # modality -> decoded value; "meta" -> {field name: bytes}
+Decoded = dict[str, Any]  # modality -> decoded value; "meta" -> {field name: value}
 Allocator = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 """Returns an uninitialized array of the shape and dtype (the service's points into shared memory)."""
 
@@ -99,8 +108,40 @@ def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any
             batch[modality] = _media([samples[i][modality] for i in rows[modality]], rows[modality], name, length_dim, alloc)
     if "meta" in rows:
         names = sorted({name for i in rows["meta"] for name in samples[i]["meta"]})
-        batch["meta"] = {name: [s.get("meta", {}).get(name) for s in samples] for name in names}
+        batch["meta"] = {name: _meta([s.get("meta", {}).get(name) for s in samples], alloc) for name in names}
     return batch
+
+
+def _plain(value: Any, alloc: Allocator) -> Any:
+    """A meta value as the batch carries it: arrays in ``alloc``'s memory, numpy scalars as Python numbers, lists."""
+    if isinstance(value, np.ndarray):
+        out = alloc(value.shape, value.dtype)
+        out[...] = value
+        return out
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v, alloc) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v, alloc) for k, v in value.items()}
+    return value
+
+
+def _is_int64(value: Any) -> bool:
+    return type(value) is int and -(2**63) <= value < 2**63
+
+
+def _meta(values: list[Any], alloc: Allocator) -> Any:
+    """One meta field over the slots: int64 ``[n]`` when all are ints, float64 ``[n]`` when all are numbers
+    (a float among them), else a list with None for the slots without it."""
+    values = [_plain(v, alloc) for v in values]
+    if values and all(_is_int64(v) for v in values):
+        return _int64(values, alloc)
+    if values and all(_is_int64(v) or type(v) is float for v in values):
+        out = alloc((len(values),), np.dtype(np.float64))
+        out[...] = values
+        return out
+    return values
 
 
 def uncollate(batch: dict[str, Any], copy: bool = True) -> list[Decoded]:
@@ -128,7 +169,11 @@ def uncollate(batch: dict[str, Any], copy: bool = True) -> list[Decoded]:
                 value = value[..., :height, :width]
             samples[slot][modality] = np.ascontiguousarray(value) if copy else value
     for name, values in batch.get("meta", {}).items():
+        if isinstance(values, np.ndarray):  # a field every slot has as a number
+            values = values.tolist()
         for slot, value in enumerate(values):
             if value is not None:
+                if isinstance(value, np.ndarray) and copy:
+                    value = value.copy()
                 samples[slot].setdefault("meta", {})[name] = value
     return samples

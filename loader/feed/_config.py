@@ -12,7 +12,7 @@ from .._config import load_yaml, validated
 from ..plan._config import PlanConfig
 from .._config_paths import FEED_PATHS, resolve_paths
 from ..decode._config import DecodeConfig
-
+from ._transform_config import TransformsConfig
 
 
 class PoolConfig(BaseModel):
@@ -48,6 +48,10 @@ class FeedConfig(BaseModel):
 
     plan: PlanConfig = Field(default_factory=PlanConfig, description="The micro-batch sequence.")
     decode: DecodeConfig = Field(default_factory=DecodeConfig, description="Per-modality decoding.")
+    transforms: TransformsConfig = Field(
+        default_factory=TransformsConfig,
+        description="Per-modality augmentation after decoding, random by (plan seed, epoch, sample key).",
+    )
     pools: dict[str, PoolConfig] = Field(default_factory=_default_pools, description="Per-modality pools.")
     shared_workers: int = Field(
         default=1, ge=0, description="Threads that serve whichever modality's buffer is emptiest (by fill fraction)."
@@ -73,7 +77,15 @@ class FeedConfig(BaseModel):
         cost, image = bucketing.cost, self.decode.image
         expected = ("fixed", image.size) if image.crop == "center" else (image.resize, image.size)
         charged = (cost.image_resize, cost.image_size)
-        if expected != charged or (image.resize == "short_side" and image.crop == "none" and cost.max_image_size != image.max_size):
+        cropped = self.transforms.final_image_size()
+        if cropped is not None:  # a built-in crop decides the size the batch holds
+            if cropped[0] != cropped[1] or charged != ("fixed", cropped[0]):
+                raise ValueError(
+                    f"transforms.image crops to {cropped[0]}x{cropped[1]} but the plan's cost model charges images as "
+                    f"{charged[0]} {charged[1]}: with bucketing, crop to a square and set "
+                    f"plan.bucketing.cost.image_resize: fixed, image_size: {cropped[0]}"
+                )
+        elif expected != charged or (image.resize == "short_side" and image.crop == "none" and cost.max_image_size != image.max_size):
             raise ValueError(
                 f"the plan's cost model charges images as {charged[0]} {charged[1]} (max {cost.max_image_size}) but "
                 f"decode.image produces {expected[0]} {expected[1]} (max {image.max_size}): set "

@@ -4,12 +4,12 @@ Never pickle: a cache directory is shared between jobs, and unpickling what anot
 process wrote would run its code. The layout is ``OFD1``, then one value::
 
     array   b"T" dtype-name-length (u8) dtype-name ndim (u8) shape (u64 x ndim) data
-
-Arrays come back as numpy arrays; a torch tensor (a user's decoder may return one) is stored
-as its numpy array, told apart without importing torch.
     str     b"S" length (u64) utf-8
     bytes   b"B" length (u64) data
-    tuple   b"U" count (u8) values
+    tuple   b"U" count (u8) values (nested at most 32 deep)
+
+Arrays come back as numpy arrays of the same shape (0-d included); a torch tensor (a user's
+decoder may return one) is stored as its numpy array, told apart without importing torch.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 from ..decode._common import as_numpy, is_torch_tensor
 
 _MAGIC = b"OFD1"
+_MAX_DEPTH = 32  # tuples in tuples: a decoder's output is shallow; a deep entry is damage, not data
 _U64 = struct.Struct("<Q")
 
 
@@ -38,7 +39,9 @@ def encode_decoded(value: Any) -> bytes:
 
 def _encode(value: Any, parts: list[bytes]) -> None:
     if isinstance(value, np.ndarray) or is_torch_tensor(value):
-        array = np.ascontiguousarray(as_numpy(value))
+        array = as_numpy(value)
+        if not array.flags.c_contiguous:  # (np.ascontiguousarray would also make a 0-d array 1-d)
+            array = array.copy(order="C")
         if array.dtype.hasobject:
             raise TypeError("cannot cache an array of Python objects")
         name = array.dtype.str.encode()
@@ -61,7 +64,7 @@ def decode_decoded(data: bytes) -> Any:
     if data[:4] != _MAGIC:
         raise DecodedEntryError("not a decoded entry")
     try:
-        value, end = _decode(memoryview(data), 4)
+        value, end = _decode(memoryview(data), 4, 0)
     except (IndexError, struct.error, ValueError, TypeError) as exc:
         raise DecodedEntryError(f"malformed decoded entry: {exc}") from exc
     if end != len(data):
@@ -69,7 +72,9 @@ def decode_decoded(data: bytes) -> Any:
     return value
 
 
-def _decode(view: memoryview, at: int) -> tuple[Any, int]:
+def _decode(view: memoryview, at: int, depth: int) -> tuple[Any, int]:
+    if depth > _MAX_DEPTH:
+        raise ValueError(f"tuples nested more than {_MAX_DEPTH} deep")
     tag = bytes(view[at:at + 1])
     at += 1
     if tag == b"T":
@@ -100,7 +105,7 @@ def _decode(view: memoryview, at: int) -> tuple[Any, int]:
         at += 1
         items = []
         for _ in range(count):
-            item, at = _decode(view, at)
+            item, at = _decode(view, at, depth + 1)
             items.append(item)
         return tuple(items), at
     raise ValueError(f"unknown tag {tag!r}")

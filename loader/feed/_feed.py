@@ -55,6 +55,18 @@ def feed_state(plan: Plan, state: Mapping[str, Any] | None, *, world_size: int, 
     return {"format": FEED_STATE_FORMAT, "plan": cursor.state_dict(), "accum_done": accum_done}
 
 
+@dataclass(frozen=True)
+class SharedResources:
+    """What the feeds of one owner share (the service's streams): its plan, field reader (cache tiers, I/O threads),
+    metrics, decode pools, and where a micro-batch a retired feed already decoded is taken from (``handover``)."""
+
+    plan: Plan
+    reader: FieldReader
+    metrics: FeedMetrics
+    pools: DecodePools | None = None
+    handover: Handover | None = None
+
+
 @dataclass
 class Taken:
     """One micro-batch taken from the feed, before collation: decoded samples, keys, info, delivery record."""
@@ -70,51 +82,41 @@ class Feed:
 
     ``decoders`` replaces the decoder of a modality (``(bytes, key) -> value``; raise
     ``DecodeError`` for bad input). ``audit_log`` appends one delivery record per batch
-    (the shape `omnifeed verify` reads).
+    (the shape `omnifeed verify` reads). ``shared``: use another owner's plan, field reader,
+    metrics, decode pools and hand-over (the service's streams, `SharedResources`); the feed
+    never closes them, and ``decoders`` then belong to that reader's owner (ValueError).
     """
 
     def __init__(self, index: SampleIndex | str | Path, config: FeedConfig | None = None, *, world_size: int = 1,
                  rank: int = 0, grad_accum: int = 1, audit_log: str | Path | None = None,
-                 decoders: Mapping[str, Callable[[bytes, str], Any]] | None = None) -> None:
+                 decoders: Mapping[str, Callable[..., Any]] | None = None,
+                 shared: SharedResources | None = None) -> None:
+        if shared is not None and decoders:
+            raise ValueError("decoders belong to the shared field reader: give them to its owner")
         self.index = index if isinstance(index, SampleIndex) else SampleIndex(index)
         self.config = config or FeedConfig()
-        self.plan = Plan.from_index(self.index, self.config.plan)
+        self.plan = shared.plan if shared is not None else Plan.from_index(self.index, self.config.plan)
         self._check_rank(world_size, rank)
         self._audit: IO[str] | None = open_audit_log(audit_log) if audit_log else None
         self.world_size, self.rank, self.grad_accum = world_size, rank, grad_accum
         self._position = PlanCursor(self.plan, world_size=world_size, grad_accum=grad_accum).state_dict()
         self._accum_done = 0
-        self._metrics = FeedMetrics()
         self._budget = ErrorBudget(self.config.error_budget, self.config.error_budget_min_samples)
-        chosen = {m: make_decoder(m, self.config.decode) for m in MODALITIES}
-        self._reader = FieldReader(self.config, {**chosen, **(decoders or {})}, self._metrics, self.index.fingerprint,
-                                   frozenset(decoders or ()))
         self._pipeline: Pipeline | None = None
-        self._shared_pools: DecodePools | None = None
-        self._handover: Handover | None = None
-        self._owns_reader = True
-        self._finalizer = weakref.finalize(self, _close_resources, [None], self._reader, self._audit)
+        if shared is None:
+            self._metrics = FeedMetrics()
+            chosen = {m: make_decoder(m, self.config.decode) for m in MODALITIES}
+            self._reader = FieldReader(self.config, {**chosen, **(decoders or {})}, self._metrics,
+                                       self.index.fingerprint, frozenset(decoders or ()))
+            self._shared_pools: DecodePools | None = None
+            self._handover: Handover | None = None
+        else:
+            self._metrics, self._reader = shared.metrics, shared.reader
+            self._shared_pools, self._handover = shared.pools, shared.handover
+        self._owns_reader = shared is None
+        self._finalizer = weakref.finalize(self, _close_resources, [None], self._reader if self._owns_reader else None,
+                                           self._audit)
         self._closed = False
-
-    @classmethod
-    def _sharing(cls, index: SampleIndex, plan: Plan, config: FeedConfig, reader: FieldReader, metrics: FeedMetrics,
-                 pools: DecodePools | None, handover: Handover | None, *, world_size: int, rank: int,
-                 grad_accum: int) -> Feed:
-        """A feed that uses another owner's plan, field reader, metrics and decode pools (the service's streams)."""
-        feed = cls.__new__(cls)
-        feed.index, feed.config, feed.plan = index, config, plan
-        feed._handover = handover
-        cls._check_rank(world_size, rank)
-        feed.world_size, feed.rank, feed.grad_accum = world_size, rank, grad_accum
-        feed._position = PlanCursor(feed.plan, world_size=world_size, grad_accum=grad_accum).state_dict()
-        feed._accum_done = 0
-        feed._metrics = metrics
-        feed._budget = ErrorBudget(config.error_budget, config.error_budget_min_samples)
-        feed._reader, feed._pipeline, feed._shared_pools, feed._audit = reader, None, pools, None
-        feed._owns_reader = False
-        feed._finalizer = weakref.finalize(feed, _close_resources, [None], None, None)
-        feed._closed = False
-        return feed
 
     @staticmethod
     def _check_rank(world_size: int, rank: int) -> None:
@@ -145,12 +147,14 @@ class Feed:
         """
         from ._torch_batch import to_torch
 
-        taken = self._take()
+        taken = self.take()
         batch: dict[str, Any] = to_torch(collate(taken.samples, taken.keys, taken.info))
         return batch
 
-    def _take(self) -> Taken:
-        """The next micro-batch's decoded samples, info and delivery record; the position moves past it."""
+    def take(self) -> Taken:
+        """The next micro-batch of this rank before collation (decoded samples, keys, info, delivery record); the
+        position moves past it. `next_batch` is this collated into tensors; the service collates it into shared
+        memory instead. Raises ``FeedError`` when the feed is closed or its error budget is spent."""
         if self._closed:
             raise FeedError("the feed is closed")
         pipeline = self._running()
@@ -211,7 +215,7 @@ class Feed:
         """A decoded sample with the same modalities to replace one whose whole micro-batch failed."""
         wanted = {m for m, _ in fields_to_decode(failed.sample) if m != "meta"}
         for position in fallback_positions(failed.position, self.index.num_samples):
-            slot = Slot(position, self.index.sample(position))
+            slot = Slot(position, self.index.sample(position), epoch=failed.epoch)
             fields = fields_to_decode(slot.sample)
             if {m for m, _ in fields if m != "meta"} != wanted:
                 continue
@@ -220,7 +224,7 @@ class Feed:
             if slot.failure is None:
                 return slot
         raise FeedError(f"sample {failed.sample.key!r} failed ({failed.failure}) and no stand-in with the same "
-                        "modalities could be decoded; the dataset looks broken: check its files and re-index")
+                        f"modalities could be decoded; {SampleFailure.advice_for(failed.failure)}")
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

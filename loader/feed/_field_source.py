@@ -2,13 +2,18 @@
 
 Entries are keyed by (index fingerprint, sample key, field, transform version): ``raw`` for
 the stored bytes, or a digest of the modality's decode settings for decoded entries, so a
-re-indexed source or a changed resize never meets an old entry.
+re-indexed source or a changed resize never meets an old entry. A decoded entry holds the
+decoder's output before any transform step (`_transforms`: they are random per epoch, so
+none is cached and none is in the key); a field or modality with a user's decoder has no
+decoded entries (its function has no version to key by).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import threading
 from typing import Any, Literal
 
 import xxhash
@@ -16,10 +21,12 @@ import xxhash
 from .._modalities import MODALITIES
 from ...cache import CacheChain, CacheConfig, entry_key
 from ..decode._config import DecodeConfig
+from ..decode._meta import ColumnKind
 from ._decoded_codec import DecodedEntryError, decode_decoded, encode_decoded
+from ._field_decoders import field_keys, matching_field
 from ..index._sample_index import IndexedSample
 from ..index._records import FieldLocation
-from ..index._sources import read_field
+from ..index._sources import column_kinds, read_field
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +52,10 @@ class FieldSource:
         self.chain = CacheChain(config)
         # decoded entries for the built-in decoders only: a user's decoder has no version to key by
         self._versions = {m: transform_version(m, decode) for m in MODALITIES if m not in custom}
+        self._custom_fields = field_keys(custom)
         self._decoded = config.entries == "decoded"
+        self._columns: dict[str, dict[str, ColumnKind]] = {}  # Parquet/Arrow URL -> column -> how its cells are stored
+        self._columns_lock = threading.Lock()
 
     def raw_key(self, sample: IndexedSample, location: FieldLocation) -> bytes:
         """Cache key of the field's stored bytes."""
@@ -54,6 +64,8 @@ class FieldSource:
     def decoded_key(self, sample: IndexedSample, location: FieldLocation) -> bytes | None:
         """Cache key of the field's decoded value, or None when decoded values are not cached for it."""
         version = self._versions.get(location.modality) if self._decoded else None
+        if version is not None and matching_field(location.name, self._custom_fields) is not None:
+            version = None
         return None if version is None else entry_key(self.namespace, sample.key, location.name, version)
 
     def origin(self, sample: IndexedSample, location: FieldLocation) -> bytes:
@@ -83,6 +95,24 @@ class FieldSource:
         if key is not None and self.chain.tiers:
             self.chain.store(key, encode_decoded(value))
 
+    def column_kind(self, sample: IndexedSample, location: FieldLocation) -> ColumnKind | None:
+        """How the index stored a Parquet or Arrow cell ('binary', 'string' or 'json'); None for other sources.
+
+        From the file's schema, read once per file (its footer or first message, through the remote tier's retries).
+        """
+        if sample.shard.kind not in ("parquet", "arrow"):
+            return None
+        url = sample.shard.url
+        with self._columns_lock:
+            kinds = self._columns.get(url)
+        if kinds is None:
+            kinds = json.loads(self.chain.remote.read(url, functools.partial(_column_kinds, url, sample.shard.kind)))
+            with self._columns_lock:
+                if len(self._columns) >= 4096:
+                    self._columns.clear()
+                self._columns[url] = kinds
+        return kinds.get(location.member, "binary")
+
     @property
     def degraded(self) -> bool:
         """Whether the origin's read latency is over its threshold now."""
@@ -95,3 +125,8 @@ class FieldSource:
     def close(self) -> None:
         """Close the chain (idempotent)."""
         self.chain.close()
+
+
+def _column_kinds(url: str, kind: Any) -> bytes:
+    """The kind of each column of the Parquet or Arrow file at ``url``, as JSON bytes (the remote tier's reader's)."""
+    return json.dumps(column_kinds(url, kind)).encode()

@@ -10,7 +10,12 @@ decodes.
 
 The error budget turns a broken dataset into a clear error: once at least
 ``min_samples`` samples were read, more than ``budget`` of them failing stops the feed,
-naming the files with the most failures.
+naming the files with the most failures. Failures of the user's own code (reason ``user``: a
+decoder, tokenizer or transform of theirs raised) cost a sample each the same way, but the
+messages blame the function, not the dataset.
+
+Each failure is logged once, as a warning naming the sample key, the field, the file (URL and
+member), the reason and the error's message.
 """
 
 from __future__ import annotations
@@ -34,15 +39,27 @@ class FeedError(OmnifeedError):
     """The feed cannot go on: the error budget is spent, or a worker failed unexpectedly."""
 
 
+_DATASET_ADVICE = "the dataset looks broken: check its files and re-index"
+_USER_ADVICE = "a function of yours fails (named above): fix it; the dataset may be fine"
+
+
 @dataclass(frozen=True)
 class SampleFailure:
-    """Why one sample could not be delivered: its key, file, modality and a short reason."""
+    """Why one sample could not be delivered: its key, file (URL), modality, a short reason, the message, and the
+    field and member (tar member, folder file or Parquet column) that failed."""
 
     key: str
     url: str
     modality: str
     reason: str
     message: str
+    field: str = "?"
+    member: str = "?"
+
+    @staticmethod
+    def advice_for(failure: SampleFailure | None) -> str:
+        """What to do when ``failure`` leaves no stand-in: fix the user's function, or the dataset."""
+        return _USER_ADVICE if failure is not None and failure.reason == "user" else _DATASET_ADVICE
 
 
 def replacement_slot(slot: int, healthy: list[bool]) -> int | None:
@@ -72,6 +89,7 @@ class ErrorBudget:
         self.read = 0
         self.failed = 0
         self._files: Counter[str] = Counter()
+        self._user = 0
         self._logged: set[str] = set()
 
     def record(self, samples: int, failures: list[SampleFailure]) -> None:
@@ -80,15 +98,28 @@ class ErrorBudget:
             self.read += samples
             self.failed += len(failures)
             for failure in failures:
-                self._files[failure.url] += 1
+                if failure.reason == "user":
+                    self._user += 1
+                else:
+                    self._files[failure.url] += 1
                 if failure.key not in self._logged:
                     self._logged.add(failure.key)
-                    log.warning("replaced sample %r (%s, %s): %s", failure.key, failure.modality, failure.reason, failure.message)
+                    log.warning("replaced sample %r: field %r of %s (member %r) failed (%s, %s): %s", failure.key,
+                                failure.field, failure.url, failure.member, failure.modality, failure.reason,
+                                failure.message)
             if self.read >= self.min_samples and self.failed > self.budget * self.read:
-                worst = ", ".join(f"{url} ({count})" for url, count in self._files.most_common(_WORST_FILES))
                 raise FeedError(
                     f"{self.failed} of {self.read} samples could not be read or decoded "
-                    f"({self.failed / self.read:.1%}, over the error budget of {self.budget:.1%}); "
-                    f"files with the most failures: {worst}. Fix or remove them and re-index, or raise "
-                    "FeedConfig.error_budget if the data is known to be this noisy"
+                    f"({self.failed / self.read:.1%}, over the error budget of {self.budget:.1%}); {self._blame()}"
                 )
+
+    def _blame(self) -> str:
+        """Whose the failures are: the user's functions, the files, or both."""
+        parts = []
+        if self._user:
+            parts.append(f"{self._user} failed in a function of yours (reason 'user', logged with its name): fix it")
+        if self._files:
+            worst = ", ".join(f"{url} ({count})" for url, count in self._files.most_common(_WORST_FILES))
+            parts.append(f"files with the most failures: {worst}. Fix or remove them and re-index, or raise "
+                         "FeedConfig.error_budget if the data is known to be this noisy")
+        return "; ".join(parts)

@@ -7,7 +7,7 @@ Lifecycle::
                                    │  admit (per-modality buffers; deeper while storage is degraded)
                                    ▼
               I/O threads: each field through the cache chain (RAM → NVMe → origin)
-                                   │  when its bytes are in: a task to DecodePools
+                                   │  when its bytes are in: a task to DecodePools (decode, then the transforms)
                                    ▼
               pending micro-batches (plan order) ─▶ next_ready() ─▶ the Feed assembles
     close(): stop the scheduler, close its pools owner (and the pools, if it made them), join (idempotent)
@@ -24,16 +24,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from multiprocessing import get_context
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .._modalities import MODALITIES
 from ..plan._cursor import DealingStopped, PlanCursor, Step
 from ..decode._registry import DecodeError
-from ..decode._common import as_numpy
 from .._errors import SourceError
 from ._config import FeedConfig
 from ._metrics import FeedMetrics
@@ -42,10 +39,11 @@ from ..index._sample_index import IndexedSample, SampleIndex
 from ..plan._plan import MicroBatch, Plan
 from ._pools import DecodePools, PoolOwner
 from ..index._records import FieldLocation
-from ..decode._process_tasks import Decoder, decode_in_process
-from ..decode._worker_procs import WorkerDied, WorkerProcesses
+from ..decode._worker_procs import WorkerDied
 from ...cache import is_local
 from ._field_source import FieldSource, Loaded
+from ._field_decoders import FieldDecoders
+from ._transforms import Transforms
 
 
 Handover = Callable[[MicroBatch], "list[dict[str, Any]] | None"]
@@ -54,12 +52,13 @@ Handover = Callable[[MicroBatch], "list[dict[str, Any]] | None"]
 
 @dataclass
 class Slot:
-    """One sample of a pending micro-batch: its index row, decoded fields, and failure if any."""
+    """One sample of a pending micro-batch: its index row, decoded fields, failure if any, and its epoch."""
 
     position: int
     sample: IndexedSample
     decoded: dict[str, Any] = field(default_factory=dict)
     failure: SampleFailure | None = None
+    epoch: int = 0  # of its micro-batch: the transforms draw by (plan seed, epoch, key)
 
 
 @dataclass
@@ -101,20 +100,19 @@ def tensor_bytes(value: Any) -> int:
 
 
 class FieldReader:
-    """Loads fields through the cache chain in I/O threads and decodes them in this thread or in worker processes."""
+    """Loads fields through the cache chain in I/O threads, decodes them (`FieldDecoders`) and runs the transforms.
 
-    def __init__(self, config: FeedConfig, decoders: Mapping[str, Decoder], metrics: FeedMetrics, namespace: str,
-                 custom: frozenset[str] = frozenset()) -> None:
-        self.config, self.decoders, self.metrics = config, decoders, metrics
+    ``decoders``: the built-in decoders merged with the user's, whose keys ``custom`` lists (modalities
+    or field names: see `_field_decoders`).
+    """
+
+    def __init__(self, config: FeedConfig, decoders: Mapping[str, Callable[..., Any]], metrics: FeedMetrics,
+                 namespace: str, custom: frozenset[str] = frozenset()) -> None:
+        self.config, self.metrics = config, metrics
+        self.transforms = Transforms(config.transforms, config.plan.seed)  # ValueError: a user step does not import
         self.source = FieldSource(config.cache, namespace, config.decode, custom)
+        self.decoders = FieldDecoders(config, decoders, custom)
         self._io = ThreadPoolExecutor(config.cache.remote.io_threads, thread_name_prefix="omnifeed-io")
-        self._executors: dict[str, WorkerProcesses] = {}
-        context = get_context("forkserver")  # workers fork from a clean server, not from this threaded process
-        context.set_forkserver_preload(["omnifeed.loader"])
-        for modality in MODALITIES:
-            processes = config.pool(modality).processes
-            if processes and modality not in custom:  # a user's decoder may not pickle: it runs in threads
-                self._executors[modality] = WorkerProcesses(processes, context, f"omnifeed-{modality}-decode")
 
     def prefetch(self, sample: IndexedSample, location: FieldLocation) -> Future[Loaded] | None:
         """Start loading a field's bytes (or cached decoded value) in an I/O thread; None for a local file.
@@ -127,46 +125,48 @@ class FieldReader:
             return None
         return self._io.submit(self.source.load, sample, location)
 
-    def _decode(self, sample: IndexedSample, location: FieldLocation, data: bytes) -> Any:
-        executor = self._executors.get(location.modality)
-        if executor is not None:
-            return executor.run(decode_in_process, location.modality, data, sample.key, self.config.decode)
-        decoder = self.decoders.get(location.modality)
-        # numpy values only past this point: a user's decoder may return torch tensors
-        return data if decoder is None else as_numpy(decoder(data, sample.key))
+    def _value(self, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None,
+               where: str) -> tuple[Any, int]:
+        """(the field's value after the transforms, the raw bytes read for it)."""
+        sample = slot.sample
+        kind, payload = loading.result() if loading is not None else self.source.load(sample, location)
+        if kind == "decoded":
+            value, read = payload, 0
+        else:
+            column = self.source.column_kind(sample, location) if modality == "meta" else None
+            value, read = self.decoders.decode(modality, location, sample.key, payload, where, column), len(payload)
+            self.source.remember(sample, location, value)  # before the transforms: a random crop is never cached
+        return self.transforms.apply(modality, location.name, sample.key, slot.epoch, value, where), read
 
     def fill(self, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None = None) -> int:
-        """Decode one field into ``slot`` (loading it now unless ``loading`` did); a failure is recorded on the slot.
-
-        Returns the bytes the decoded value holds.
+        """Decode and transform one field into ``slot`` (loading it now unless ``loading`` did); a failure is
+        recorded on the slot. Returns the bytes the value holds.
         """
         if slot.failure is not None:  # another field of the sample failed: it will be replaced anyway
             return 0
         started = time.perf_counter()
         sample = slot.sample
+        where = f"field {location.name!r} of {sample.shard.url}, member {location.member!r}"
+
+        def failed(reason: str, message: str) -> int:
+            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, reason, message,
+                                         location.name, location.member)
+            return 0
+
         try:
-            kind, payload = loading.result() if loading is not None else self.source.load(sample, location)
-            if kind == "decoded":
-                value, read = payload, 0
-            else:
-                value, read = self._decode(sample, location, payload), len(payload)
-                self.source.remember(sample, location, value)
+            value, read = self._value(slot, modality, location, loading, where)
         except CancelledError:  # the pipeline is closing
             return 0
         except DecodeError as exc:
-            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, exc.reason, str(exc))
-            return 0
+            return failed(exc.reason, str(exc))
         except SourceError as exc:
-            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, "read", str(exc))
-            return 0
+            return failed("read", str(exc))
         except WorkerDied as exc:  # twice on this field: the decoder itself brings its process down
-            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, "worker", str(exc))
-            return 0
+            return failed("worker", str(exc))
         except MemoryError:
             raise
         except Exception as exc:  # storage errors after the remote tier's retries, from any fsspec backend
-            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, "storage", f"{type(exc).__name__}: {exc}")
-            return 0
+            return failed("storage", f"{type(exc).__name__}: {exc}")
         self.metrics.decoded(modality, time.perf_counter() - started, read)
         if modality == "meta":
             slot.decoded.setdefault("meta", {})[location.name] = value
@@ -181,9 +181,7 @@ class FieldReader:
     def close(self) -> None:
         """Stop the I/O threads and the worker processes and wait for them (idempotent)."""
         self._io.shutdown(wait=True, cancel_futures=True)
-        for executor in self._executors.values():
-            executor.close()
-        self._executors.clear()
+        self.decoders.close()
         self.source.close()
 
 
@@ -260,7 +258,7 @@ class Pipeline:
             return True
         fields: list[tuple[Slot, str, FieldLocation]] = []
         for sample in self.index.samples(pending.micro_batch.positions):
-            slot = Slot(sample.position, sample)
+            slot = Slot(sample.position, sample, epoch=pending.micro_batch.epoch)
             pending.slots.append(slot)
             for modality, location in fields_to_decode(slot.sample):
                 pending.counts[modality] = pending.counts.get(modality, 0) + 1

@@ -1,10 +1,12 @@
 """omnifeed.loader.index: sources, shard scans, header probes, tokenizers, the index build and the mapped index."""
 
-from ._build import IndexReport, build_index, default_workers, write_index_from_tables
+from ._build import build_index, write_index_from_tables
 from ._config import IndexConfig
+from ._partition_writer import IndexReport
 from ._ray_build import build_index_ray, ray_session
 from ._records import FieldLocation, SampleLengths, ShardSpec
 from ._sample_index import ROW_SCHEMA, IndexedSample, SampleIndex
+from ._scan_pool import default_workers
 from ._sources import expand_sources, read_field
 
 __all__ = [

@@ -28,7 +28,16 @@ class IndexConfig(StrictModel):
         default_factory=dict,
         description="Field name (lower-case extension, e.g. 'cap') -> modality; overrides the defaults.",
     )
-    key_column: str = Field(default="__key__", description="Parquet column holding the sample key.")
+    key_column: str = Field(
+        default="__key__",
+        description="Parquet/Arrow column holding the sample key. The default '__key__' is used when a file has it; "
+        "a file without it gets the keys '<file stem>/<row>' (row: 0-based within the file). Another name must exist.",
+    )
+    strict: bool = Field(
+        default=False,
+        description="Refuse a whole shard at its first damaged sample (unreadable header, ...), instead of "
+        "leaving that sample out, naming it, and indexing the rest.",
+    )
 
     @field_validator("tokenizer")
     @classmethod
@@ -46,12 +55,16 @@ class IndexConfig(StrictModel):
                 raise ValueError(f"field {name!r}: modality {modality!r} is not one of {', '.join(FIELD_MODALITIES)}")
         return {name.lower(): modality for name, modality in value.items()}
 
-    def modality_of(self, field_name: str) -> str:
-        """Modality of a field by its name: the override, else the last extension's default, else 'meta'."""
+    def explicit_modality(self, field_name: str) -> str | None:
+        """The modality ``modalities`` gives a field (by its whole name, else its last extension), or None."""
         name = field_name.lower()
         if name in self.modalities:
             return self.modalities[name]
-        last = name.rsplit(".", 1)[-1]
-        if last in self.modalities:
-            return self.modalities[last]
-        return _DEFAULT_EXTENSIONS.get(last, "meta")
+        return self.modalities.get(name.rsplit(".", 1)[-1])
+
+    def modality_of(self, field_name: str) -> str:
+        """Modality of a field by its name: the override, else the last extension's default, else 'meta'."""
+        explicit = self.explicit_modality(field_name)
+        if explicit is not None:
+            return explicit
+        return _DEFAULT_EXTENSIONS.get(field_name.lower().rsplit(".", 1)[-1], "meta")

@@ -7,8 +7,10 @@
   of the demuxed packets' durations;
 - text: UTF-8 decoded and measured by a token counter (see ``_text``).
 
-Every probe raises SourceError on unreadable input; ``probe_lengths`` adds the URL, member,
-sample key and what to do.
+Every probe raises SourceError on unreadable input; ``probe_lengths`` raises `FieldProbeError`,
+which adds the URL, member, sample key, what to do, and the damage reason (``_damage``):
+``bomb`` for a header declaring too many pixels, ``encoding`` for text that is not UTF-8,
+``header`` for anything else.
 """
 
 from __future__ import annotations
@@ -31,6 +33,23 @@ _T = TypeVar("_T")
 _ADVICE = "remove or re-encode the file, or map the field to 'meta' in IndexConfig.modalities"
 
 
+class _TooLarge(SourceError):
+    """A header declaring more pixels than allowed (a possible decompression bomb)."""
+
+
+class _NotUtf8(SourceError):
+    """A text field that is not UTF-8."""
+
+
+class FieldProbeError(SourceError):
+    """One field of a sample cannot be probed; ``reason``: 'header', 'bomb' or 'encoding'; ``member``: its member."""
+
+    def __init__(self, message: str, *, url: str | None, key: str | None, reason: str, member: str) -> None:
+        super().__init__(message, url=url, key=key)
+        self.reason = reason
+        self.member = member
+
+
 def probe_image(fileobj: BinaryIO) -> tuple[int, int]:
     """Return (width, height) in pixels from the image header, without decoding pixels.
 
@@ -41,7 +60,7 @@ def probe_image(fileobj: BinaryIO) -> tuple[int, int]:
         with Image.open(fileobj) as image:
             width, height = image.size
     except Image.DecompressionBombError as exc:
-        raise SourceError(f"image header declares a decompression bomb: {exc}") from exc
+        raise _TooLarge(f"image header declares a decompression bomb: {exc}") from exc
     except Image.UnidentifiedImageError as exc:
         raise SourceError("unreadable image header (not an image format Pillow recognises)") from exc
     except MemoryError:
@@ -50,7 +69,7 @@ def probe_image(fileobj: BinaryIO) -> tuple[int, int]:
         raise SourceError(f"unreadable image header ({type(exc).__name__}: {exc})") from exc
     limit = Image.MAX_IMAGE_PIXELS
     if limit is not None and width * height > limit:
-        raise SourceError(
+        raise _TooLarge(
             f"image header declares {width}x{height} = {width * height} pixels, over "
             f"PIL.Image.MAX_IMAGE_PIXELS = {limit} (a possible decompression bomb); "
             "raise PIL.Image.MAX_IMAGE_PIXELS if such images are genuine"
@@ -118,7 +137,7 @@ def probe_text(data: bytes, count_tokens: Callable[[str], int]) -> int:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise SourceError(f"text is not valid UTF-8 (byte {exc.start}: {exc.reason})") from exc
+        raise _NotUtf8(f"text is not valid UTF-8 (byte {exc.start}: {exc.reason})") from exc
     return int(count_tokens(text))
 
 
@@ -130,11 +149,14 @@ def _probe_field(
     try:
         return probe(fileobj)
     except SourceError as exc:
-        raise SourceError(
+        reason = "bomb" if isinstance(exc, _TooLarge) else "encoding" if isinstance(exc, _NotUtf8) else "header"
+        raise FieldProbeError(
             f"{url}: member {location.member!r} of sample {key!r} ({location.modality} field "
             f"{location.name!r}): {exc}; {_ADVICE}",
             url=url,
             key=key,
+            reason=reason,
+            member=location.member,
         ) from exc
     except Exception as exc:
         add_context(exc, f"field={location.name} member={location.member} key={key} source={url}")
@@ -153,8 +175,8 @@ def probe_lengths(
     """Measure one sample: text tokens summed over text fields; image, video and audio from
     the first field of that modality in field-name order ('meta' fields are not read).
 
-    Each value is the field's bytes or a callable opening them. Raises SourceError naming
-    ``url``, the member and ``key`` when a field cannot be probed.
+    Each value is the field's bytes or a callable opening them. Raises FieldProbeError (a
+    SourceError) naming ``url``, the member and ``key`` when a field cannot be probed.
     """
     tokens = 0
     found: dict[str, Any] = {}

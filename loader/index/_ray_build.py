@@ -1,6 +1,6 @@
 """`omnifeed index --ray`: scan shards as Ray tasks on an existing cluster, write the index here.
 
-The scan is the one the local pool runs (``_index_build.scan_job``), one Ray task per group of
+The scan is the one the local pool runs (``_scan_pool.scan_job``), one Ray task per group of
 shards; the driver spills, sorts and writes exactly as a local build does, so the index (rows,
 manifest, fingerprint) is the same. Every node needs omnifeed installed and must reach the
 source URLs; the index is written on the machine that runs the command.
@@ -22,8 +22,10 @@ from typing import Any
 
 from ._config import IndexConfig
 from .._errors import OmnifeedError
-from ._build import IndexReport, ScanResult, build_index, scan_job
+from ._build import build_index
+from ._partition_writer import IndexReport
 from ._records import ShardSpec
+from ._scan_pool import ScanResult, scan_job
 
 log = logging.getLogger(__name__)
 

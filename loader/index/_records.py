@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 Modality = Literal["text", "image", "video", "audio", "meta"]
-SourceKind = Literal["tar", "parquet", "folder"]
+SourceKind = Literal["tar", "parquet", "folder", "arrow"]
 
 
 @dataclass(frozen=True)
@@ -15,9 +15,10 @@ class FieldLocation:
 
     ``name`` is the lower-cased field name (``jpg``, ``txt``, ``seg.json``);
     ``member`` is the tar member name, the file path relative to the folder, or
-    the Parquet column; ``offset``/``size`` are bytes within the shard URL for
+    the Parquet/Arrow column; ``offset``/``size`` are bytes within the shard URL for
     tar members (offset of the data, not the header), ``0``/file size for a
-    folder file, and ``-1``/value size for a Parquet cell.
+    folder file, ``-1``/value size for a Parquet cell, and the byte offset of the
+    record batch message holding the row/value size for an Arrow cell.
     """
 
     name: str
@@ -46,7 +47,8 @@ class SampleLengths:
 class ScannedSample:
     """One sample as a scan of its shard found it.
 
-    ``row_group``/``row`` locate a Parquet row (``-1`` for other kinds);
+    ``row_group``/``row`` locate a Parquet row, or an Arrow row (record batch
+    number, row within it) (``-1`` for other kinds);
     ``digest`` is an xxh64 of the sample's field bytes, folded into the
     index fingerprint so that changed content changes the fingerprint.
     """
@@ -60,8 +62,24 @@ class ScannedSample:
 
 
 @dataclass(frozen=True)
+class DamagedSample:
+    """A sample (or member, or row) left out of the index because it is damaged (``_damage``).
+
+    ``file`` is the shard URL; ``key`` the sample key ('' when the damage hides it);
+    ``member`` the tar member, folder file or column; ``reason`` one of ``_damage.REASONS``;
+    ``error`` the one-line message naming all of these and what to do.
+    """
+
+    file: str
+    key: str
+    member: str
+    reason: str
+    error: str
+
+
+@dataclass(frozen=True)
 class ShardSpec:
-    """One unit of scanning: a tar shard, a Parquet file or a folder, by fsspec URL."""
+    """One unit of scanning: a tar shard, a Parquet or Arrow file, or a folder, by fsspec URL."""
 
     url: str
     kind: SourceKind
@@ -69,8 +87,9 @@ class ShardSpec:
 
 @dataclass
 class ShardScan:
-    """The result of scanning one shard: its samples in shard order."""
+    """The result of scanning one shard: its samples in shard order, and those left out as damaged."""
 
     shard: ShardSpec
     samples: list[ScannedSample] = field(default_factory=list)
     size_bytes: int = 0
+    damaged: list[DamagedSample] = field(default_factory=list)

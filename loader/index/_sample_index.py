@@ -309,7 +309,7 @@ def _read_shards(path: Path, num_samples: int) -> tuple[list[ShardSpec], np.ndar
                                "rebuild the index") from exc
     for url, kind in zip(urls, kinds):
         if kind not in get_args(SourceKind) or not isinstance(url, str) or not url:
-            raise IndexFormatError(f"{path}: shard {url!r} of kind {kind!r} is not a tar, parquet or folder shard; "
+            raise IndexFormatError(f"{path}: shard {url!r} of kind {kind!r} is not a tar, parquet, arrow or folder shard; "
                                    "rebuild the index")
         if "://" not in url and "::" not in url and not url.startswith("/"):
             raise IndexFormatError(f"{path}: shard path {url!r} is relative (an index names its shards by absolute "

@@ -2,7 +2,8 @@
 
 WebDataset conventions for tar shards and folders: a sample's key is the member path up
 to the first dot of its basename, the rest (lower-cased) its field; a tar sample's members
-are adjacent. Parquet: one row per sample keyed by ``IndexConfig.key_column``.
+are adjacent. Parquet and Arrow files: one row per sample (``_table_scan``). A damaged sample
+is left out and named, the rest of the shard indexed (``_damage``; all of it refused when strict).
 """
 
 from __future__ import annotations
@@ -13,22 +14,22 @@ import os
 import re
 import stat
 import tarfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from typing import Any
 
 import pyarrow as pa
-import pyarrow.parquet as pq
-import xxhash
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
 from ._config import IndexConfig
 from .._errors import SourceError
-from ._probe import probe_lengths
-from ._records import FieldLocation, ScannedSample, ShardScan, ShardSpec
-from ._sources import (
-    OPENAT, RECREATE_SHARD, as_source_error, cell_bytes, escapes_root, file_type, inside_root, open_beneath,
-    read_whole,
-)
+from ._damage import Damage
+from ._probe import FieldProbeError
+from ._records import FieldLocation, ShardScan, ShardSpec
+from ._samples import FieldTwice, Items, TokenCounter, add_field, make_sample
+from ._confined import OPENAT, escapes_root, file_type, inside_root, open_beneath, read_whole
+from ._sources import RECREATE_SHARD, as_source_error
+from ._table_scan import scan_arrow, scan_parquet
 from ._tokenizers import make_token_counter
 
 logger = logging.getLogger(__name__)
@@ -38,32 +39,6 @@ _WDS_META = re.compile(r"__[^/]*__($|/)")  # webdataset skips such members
 # webdataset.tariterators.base_plus_ext's pattern, verbatim: importing webdataset imports torch,
 # two seconds and hundreds of MB in every scan worker for one regular expression.
 _BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
-_Items = list[tuple[FieldLocation, bytes]]
-_Counter = Callable[[str], int]
-
-
-def sample_digest(fields: Iterable[tuple[str, bytes]]) -> int:
-    """xxh64 (unsigned 64-bit) of a sample's fields in name order: name, NUL, 8-byte length, bytes."""
-    digest = xxhash.xxh64()
-    for name, data in sorted(fields, key=lambda item: item[0]):
-        digest.update(name.encode("utf-8") + b"\0" + len(data).to_bytes(8, "little"))
-        digest.update(data)
-    return digest.intdigest()
-
-
-def _make_sample(url: str, key: str, items: _Items, count: _Counter, rg: int = -1, row: int = -1) -> ScannedSample:
-    """Probe lengths and digest of one sample's fields (sorted by name in place)."""
-    items.sort(key=lambda item: item[0].name)
-    lengths = probe_lengths(items, count, url=url, key=key)
-    digest = sample_digest((location.name, data) for location, data in items)
-    return ScannedSample(key, tuple(location for location, _ in items), lengths, digest, rg, row)
-
-
-def _add_field(url: str, key: str, items: _Items, location: FieldLocation, data: bytes) -> None:
-    if any(other.name == location.name for other, _ in items):
-        raise SourceError(f"{url}: sample {key!r} has field {location.name!r} twice (names are lower-cased); "
-                          "rename or remove one of them", url=url, key=key)
-    items.append((location, data))
 
 
 def _split_name(url: str, name: str) -> tuple[str, str] | None:
@@ -95,8 +70,9 @@ _NO_SPARSE = "sparse members cannot be read by offset: re-create the shard witho
 class _RefusedMember(Exception):
     """A tar member refused while its header is parsed, before tarfile reads what it declares."""
 
-    def __init__(self, name: str, problem: str) -> None:
+    def __init__(self, name: str, problem: str, reason: str) -> None:
         super().__init__(f"member {name!r} {problem}")
+        self.name, self.reason = name, reason
 
 
 class _CheckedTarInfo(tarfile.TarInfo):
@@ -111,16 +87,16 @@ class _CheckedTarInfo(tarfile.TarInfo):
     def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
         if self.type == tarfile.GNUTYPE_SPARSE:
             size = getattr(self, "_sparse_structs", (None, None, self.size))[2]  # the expanded size ('S' header)
-            raise _RefusedMember(self.name, f"is a GNU sparse file (declaring {size} bytes); {_NO_SPARSE}")
+            raise _RefusedMember(self.name, f"is a GNU sparse file (declaring {size} bytes); {_NO_SPARSE}", "sparse")
         if self.type in _EXTENDED_TYPES and self.size > _MAX_HEADER_BYTES:
             raise _RefusedMember(self.name, f"has an extended header declaring {self.size} bytes, over "
-                                            f"{_MAX_HEADER_BYTES}; {RECREATE_SHARD}")
+                                            f"{_MAX_HEADER_BYTES}; {RECREATE_SHARD}", "oversized_header")
         return super()._proc_member(tarfile_)  # type: ignore[misc]  # private in typeshed, there since Python 3.0
 
     def _refuse_sparse(self, next_: tarfile.TarInfo, pax_headers: dict[str, str], *_: object) -> None:
         name = pax_headers.get("GNU.sparse.name") or pax_headers.get("path") or next_.name
         size = pax_headers.get("GNU.sparse.realsize") or pax_headers.get("GNU.sparse.size") or "?"
-        raise _RefusedMember(name, f"is a GNU sparse file (declaring {size} bytes); {_NO_SPARSE}")
+        raise _RefusedMember(name, f"is a GNU sparse file (declaring {size} bytes); {_NO_SPARSE}", "sparse")
 
     _proc_gnusparse_00 = _proc_gnusparse_01 = _proc_gnusparse_10 = _refuse_sparse  # pax sparse formats 0.0, 0.1, 1.0
 
@@ -130,19 +106,74 @@ def _is_sparse(info: tarfile.TarInfo) -> bool:
         name.startswith("GNU.sparse.") for name in info.pax_headers)
 
 
-def _scan_tar(shard: ShardSpec, config: IndexConfig, count: _Counter) -> ShardScan:
-    try:
-        return _scan_tar_members(shard, config, count)
-    except _RefusedMember as exc:
-        raise SourceError(f"{shard.url}: {exc}", url=shard.url) from None
+class _Broken(Exception):
+    """The tar cannot be read past this point: the member there ('' if unknown), a damage reason, the error."""
+
+    def __init__(self, member: str, reason: str, error: str) -> None:
+        super().__init__(error)
+        self.member, self.reason = member, reason
 
 
-def _scan_tar_members(shard: ShardSpec, config: IndexConfig, count: _Counter) -> ShardScan:
+class _TarSamples:
+    """A tar's members, in order, into samples (runs of adjacent members sharing a key); damaged ones left out."""
+
+    def __init__(self, url: str, config: IndexConfig, count: TokenCounter, scan: ShardScan, damage: Damage) -> None:
+        self.url, self.config, self.count, self.scan, self.damage = url, config, count, scan, damage
+        self.key, self.items = "", Items()
+        self.problem: tuple[str, str, str] | None = None  # (member, reason, error) damaging the sample being read
+        self.seen: set[str] = set()
+
+    def member(self, name: str, offset: int, size: int, data: bytes, key: str, field: str) -> None:
+        """One regular member that names a field: added to its sample, which ends when the key changes."""
+        if key != self.key:
+            self._end_sample()
+            self.key, self.items, self.problem = key, [], None
+            if key in self.seen:
+                self.problem = (name, "not_adjacent", f"{self.url}: sample {key!r} appears again after other samples "
+                                f"(a sample's members must be adjacent): its later members are left out, the first "
+                                f"are indexed; {RECREATE_SHARD}")
+            self.seen.add(key)
+        if self.problem is None:
+            try:
+                add_field(self.url, key, self.items, FieldLocation(field, self.config.modality_of(field), name, offset,
+                                                                   size), data)
+            except FieldTwice as exc:
+                self.problem = (name, "field_twice", str(exc))
+
+    def _end_sample(self) -> None:
+        if self.problem is not None:
+            self.damage.add(self.key, *self.problem)
+        elif self.items:
+            try:
+                self.scan.samples.append(make_sample(self.url, self.key, self.items, self.count))
+            except FieldProbeError as exc:
+                self.damage.add(self.key, exc.member, exc.reason, str(exc))
+        self.items, self.problem = [], None
+
+    def end(self) -> None:
+        """The tar ended well: its last sample is complete."""
+        self._end_sample()
+
+    def broken(self, exc: _Broken) -> None:
+        """The tar is unreadable from here: the sample being read (maybe incomplete) and the rest are left out.
+
+        SourceError (the shard refused) when nothing was read before the break.
+        """
+        if not self.scan.samples and not self.items and not self.damage.samples:
+            raise SourceError(str(exc), url=self.url)
+        before = len(self.scan.samples)
+        being_read = f"sample {self.key!r} (perhaps incomplete) and " if self.items else ""
+        left_out = (f"the {before} sample{'s' if before != 1 else ''} before it are indexed, {being_read}the rest of "
+                    "the shard are left out")
+        self.damage.add(self.key if self.items else "", exc.member, exc.reason, str(exc), left_out)
+
+
+def _scan_tar(shard: ShardSpec, config: IndexConfig, count: TokenCounter) -> ShardScan:
     url = shard.url
     fs, path = url_to_fs(url)
     scan = ShardScan(shard, size_bytes=fs.size(path))
-    seen: set[str] = set()
-    key, items = "", list[tuple[FieldLocation, bytes]]()  # the sample being collected
+    damage = Damage(url, config.strict)
+    samples = _TarSamples(url, config, count, scan, damage)
     with fs.open(path, "rb") as f:
         first = f.read(tarfile.BLOCKSIZE)
         if _COMPRESSED_MAGIC.match(first):
@@ -150,82 +181,49 @@ def _scan_tar_members(shard: ShardSpec, config: IndexConfig, count: _Counter) ->
         if len(first) == tarfile.BLOCKSIZE and first.count(0) == tarfile.BLOCKSIZE:
             return scan  # only an end marker: an empty archive (Python 3.10's stream reader fails on it)
         f.seek(0)
+        try:
+            end = _read_members(f, url, scan.size_bytes, samples)
+            f.seek(end)
+            block = f.read(tarfile.BLOCKSIZE)
+            if len(block) < tarfile.BLOCKSIZE or block.count(0) != tarfile.BLOCKSIZE:
+                raise _Broken("", "truncated", f"{url}: truncated or corrupt tar (no header or end marker at byte {end}); "
+                                               f"{RECREATE_SHARD}")
+        except _Broken as exc:
+            samples.broken(exc)
+        else:
+            samples.end()
+    return damage.finish(scan)
+
+
+def _read_members(f: Any, url: str, size: int, samples: _TarSamples) -> int:
+    """Every member of the open tar ``f`` to ``samples``; the offset after the last.
+
+    Raises _Broken where the tar stops being readable.
+    """
+    tar: tarfile.TarFile | None = None
+    try:
         with tarfile.open(fileobj=f, mode="r|", tarinfo=_CheckedTarInfo) as tar:
             while (info := tar.next()) is not None:
                 tar.members = []  # type: ignore[attr-defined]  # streaming: keep no member list (as webdataset)
                 if info.isreg() and _is_sparse(info):  # this Python's tarfile parsed a sparse header we did not see
-                    raise _RefusedMember(info.name, f"is a GNU sparse file (declaring {info.size} bytes); {_NO_SPARSE}")
-                if info.isreg() and scan.size_bytes and info.offset_data + info.size > scan.size_bytes:
-                    raise SourceError(f"{url}: member {info.name!r} declares {info.size} bytes at byte "
-                                      f"{info.offset_data}, past the end of the shard ({scan.size_bytes} bytes); "
-                                      f"{RECREATE_SHARD}", url=url)
+                    raise _RefusedMember(info.name, f"is a GNU sparse file (declaring {info.size} bytes); {_NO_SPARSE}",
+                                         "sparse")
+                if info.isreg() and size and info.offset_data + info.size > size:
+                    raise _Broken(info.name, "truncated", f"{url}: member {info.name!r} declares {info.size} bytes "
+                                  f"at byte {info.offset_data}, past the end of the shard ({size} bytes); "
+                                  f"{RECREATE_SHARD}")
                 split = _split_name(url, info.name) if info.isreg() else None
                 if split is None:
                     continue
                 extracted = tar.extractfile(info)
                 data = extracted.read() if extracted is not None else b""
-                if split[0] != key:
-                    if items:
-                        scan.samples.append(_make_sample(url, key, items, count))
-                    key, items = split[0], []
-                    if key in seen:
-                        raise SourceError(f"{url}: sample {key!r} appears again after other samples "
-                                          f"(a sample's members must be adjacent); {RECREATE_SHARD}", url=url, key=key)
-                    seen.add(key)
-                location = FieldLocation(split[1], config.modality_of(split[1]), info.name, info.offset_data, info.size)
-                _add_field(url, key, items, location, data)
-            end = tar.offset
-        f.seek(end)
-        block = f.read(tarfile.BLOCKSIZE)
-        if len(block) < tarfile.BLOCKSIZE or block.count(0) != tarfile.BLOCKSIZE:
-            raise SourceError(f"{url}: truncated or corrupt tar (no header or end marker at byte {end}); {RECREATE_SHARD}",
-                              url=url)
-    if items:
-        scan.samples.append(_make_sample(url, key, items, count))
-    return scan
-
-
-def _scan_parquet(shard: ShardSpec, config: IndexConfig, count: _Counter) -> ShardScan:
-    url, key_column = shard.url, config.key_column
-    fs, path = url_to_fs(url)
-    scan = ShardScan(shard, size_bytes=fs.size(path))
-    with fs.open(path, "rb") as f:
-        table_file = pq.ParquetFile(f)
-        names = table_file.schema_arrow.names
-        if key_column not in names:
-            raise SourceError(f"{url}: no key column {key_column!r} (columns: {', '.join(names)}); "
-                              "set IndexConfig.key_column to the column holding the sample key", url=url)
-        columns = [(name, name.lower()) for name in names if name != key_column]
-        seen: set[str] = set()
-        for rg in range(table_file.num_row_groups):
-            table = table_file.read_row_group(rg)
-            try:
-                keys = table.column(key_column).to_pylist()
-            except (ValueError, OverflowError) as exc:  # invalid UTF-8, a date out of Python's range
-                raise SourceError(f"{url}: row group {rg}: column {key_column!r} holds a key that cannot be converted "
-                                  f"({type(exc).__name__}: {exc}); fix column {key_column!r}", url=url) from None
-            cells = {}
-            for column, _ in columns:
-                try:
-                    cells[column] = cell_bytes(table.column(column))
-                except SourceError as exc:
-                    raise SourceError(f"{url}: row group {rg}: column {column!r}: {exc}; fix or drop the column",
-                                      url=url) from None
-            for row, raw_key in enumerate(keys):
-                key = str(raw_key)
-                if raw_key is None or key in seen:
-                    problem = "a null key" if raw_key is None else f"key {key!r} again"
-                    raise SourceError(f"{url}: row group {rg} row {row} has {problem}; fix column {key_column!r}",
-                                      url=url, key=key)
-                seen.add(key)
-                items: _Items = []
-                for column, name in columns:
-                    value = cells[column][row]
-                    if value is not None:
-                        location = FieldLocation(name, config.modality_of(name), column, -1, len(value))
-                        _add_field(url, key, items, location, value)
-                scan.samples.append(_make_sample(url, key, items, count, rg, row))
-    return scan
+                samples.member(info.name, info.offset_data, info.size, data, *split)
+            return tar.offset
+    except _RefusedMember as exc:
+        raise _Broken(exc.name, exc.reason, f"{url}: {exc}") from None
+    except (tarfile.TarError, EOFError) as exc:
+        where = f" at byte {tar.offset}" if tar is not None and tar.offset else ""
+        raise _Broken("", "truncated", f"{url}: truncated or corrupt tar{where} ({exc}); {RECREATE_SHARD}") from None
 
 
 def _walk_local(url: str, root: str) -> list[tuple[str, str, str]]:
@@ -287,7 +285,7 @@ def _link_target_mode(url: str, real_root: str, path: str, relative: str) -> int
     return mode
 
 
-def _scan_folder(shard: ShardSpec, config: IndexConfig, count: _Counter) -> ShardScan:
+def _scan_folder(shard: ShardSpec, config: IndexConfig, count: TokenCounter) -> ShardScan:
     url = shard.url
     fs, root = url_to_fs(url)
     root = root.rstrip("/")
@@ -309,14 +307,20 @@ def _scan_folder(shard: ShardSpec, config: IndexConfig, count: _Counter) -> Shar
     if not groups:
         raise SourceError(f"{url}: no samples (an empty folder, or only hidden files)", url=url)
     scan = ShardScan(shard)
+    damage = Damage(url, config.strict)
     for key in sorted(groups):
-        items: _Items = []
-        for name, relative in groups[key]:
-            data = _read_local(url, root, relative) if local else fs.cat_file(f"{root}/{relative}")
-            _add_field(url, key, items, FieldLocation(name, config.modality_of(name), relative, 0, len(data)), data)
-            scan.size_bytes += len(data)
-        scan.samples.append(_make_sample(url, key, items, count))
-    return scan
+        items: Items = []
+        try:
+            for name, relative in groups[key]:
+                data = _read_local(url, root, relative) if local else fs.cat_file(f"{root}/{relative}")
+                scan.size_bytes += len(data)
+                add_field(url, key, items, FieldLocation(name, config.modality_of(name), relative, 0, len(data)), data)
+            scan.samples.append(make_sample(url, key, items, count))
+        except FieldTwice as exc:
+            damage.add(key, relative, "field_twice", str(exc))
+        except FieldProbeError as exc:
+            damage.add(key, exc.member, exc.reason, str(exc))
+    return damage.finish(scan)
 
 
 def _read_local(url: str, root: str, relative: str) -> bytes:
@@ -328,15 +332,19 @@ def _read_local(url: str, root: str, relative: str) -> bytes:
         os.close(descriptor)
 
 
-_SCANNERS = {"tar": _scan_tar, "parquet": _scan_parquet, "folder": _scan_folder}
+_SCANNERS: dict[str, Callable[[ShardSpec, IndexConfig, TokenCounter], ShardScan]] = {
+    "tar": _scan_tar, "parquet": scan_parquet, "arrow": scan_arrow, "folder": _scan_folder}
 
 
 def scan_shard(shard: ShardSpec, config: IndexConfig) -> ShardScan:
     """Read one shard once and return its samples in shard order, with locations, lengths and digests.
 
-    ``size_bytes`` is the tar or Parquet file size, or the total size of a folder's sample
-    files. Raises SourceError naming the shard (and the key) for missing, corrupt or malformed
-    input; connection errors and timeouts propagate (with a note) for the caller to retry.
+    ``size_bytes`` is the tar, Parquet or Arrow file size, or the total size of a folder's
+    sample files. Damaged samples are left out and listed in ``damaged`` (``_damage``); with
+    ``config.strict`` the first one raises SourceError instead. Raises SourceError naming the
+    shard (and the key) for missing, corrupt or malformed input, and ``ShardDamaged`` (a
+    SourceError listing them) when every sample is damaged; connection errors and timeouts
+    propagate (with a note) for the caller to retry.
     """
     count = make_token_counter(config.tokenizer)
     try:

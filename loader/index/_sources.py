@@ -1,12 +1,16 @@
 """Sources: fsspec URLs expanded into shards, and one field read back by its index location.
 
-Three kinds of shard, all named by fsspec URL (or local path) (scanned by ``_scan``):
+Four kinds of shard, all named by fsspec URL (or local path) (scanned by ``_scan``):
 
 - ``tar``: a WebDataset shard. A sample is a run of adjacent members sharing a key (the
   member path up to the first dot of its basename); the rest of the name, lower-cased, is
   the field. Fields are read back with one ranged read (data offset and size).
-- ``parquet``: one row per sample, keyed by ``IndexConfig.key_column``; every other
-  column is a field named by its lower-cased column name; null cells are absent fields.
+- ``parquet``: one row per sample, keyed by ``IndexConfig.key_column`` (without a ``__key__``
+  column: ``<file stem>/<row>``, ``_table_scan``); every other column is a field named by its
+  lower-cased column name; null cells are absent fields.
+- ``arrow``: the same for an Arrow IPC file (``.arrow``, stream or file format); a folder
+  written by ``datasets``' ``save_to_disk`` (``state.json`` listing its ``data-*.arrow``
+  files) is its Arrow files, in order (``_arrow_files``).
 - ``folder``: files grouped by key as in a tar, relative path up to the first dot of the
   basename; hidden files and folders (name starting with '.') are skipped; a file whose real
   path leaves the folder (a symbolic link to outside it), a linked folder and a link loop are
@@ -14,21 +18,18 @@ Three kinds of shard, all named by fsspec URL (or local path) (scanned by ``_sca
   folder files are opened by ``open_beneath``: one component at a time with ``O_NOFOLLOW``
   relative to the folder's descriptor, so a link swapped in cannot lead outside the folder.
 
-A Parquet cell's field bytes are the value itself for binary columns, UTF-8 for string
-columns and JSON text for any other type (numbers, lists, structs). Errors that mean the
+A Parquet or Arrow cell's field bytes are the value itself for binary columns, UTF-8 for
+string columns, the ``bytes`` member of an image/audio struct (as ``datasets`` stores them) and
+JSON text for any other type (numbers, lists, structs): ``_columns``. Errors that mean the
 source is missing or malformed raise SourceError naming the URL, the member or key, and what
 to do; connection errors and timeouts propagate (with a note) so that callers can retry.
 """
 
 from __future__ import annotations
 
-import errno
-import json
 import logging
 import os
 import posixpath
-import re
-import stat
 import tarfile
 from collections.abc import Sequence
 from typing import Any
@@ -39,16 +40,16 @@ from braceexpand import braceexpand
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from ._config import IndexConfig
 from .._errors import SourceError, add_context
+from ._arrow_files import arrow_schema, read_arrow_cell, saved_dataset_files
+from ._columns import cell_bytes, cell_kind
+from ._confined import OPENAT, _FIX_LINK, escapes_root, link_outside, open_beneath, read_whole
 from ._records import FieldLocation, ShardSpec, SourceKind
 
 logger = logging.getLogger(__name__)
 
 _COMPRESSED_TAR = (".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst")
 RECREATE_SHARD = "re-create the shard"
-_BINARY_TYPES = ("binary", "large_binary", "fixed_size_binary", "binary_view")  # pyarrow.types.is_*
-_STRING_TYPES = {"string": "binary", "large_string": "large_binary", "string_view": "binary_view"}  # its binary twin
 
 
 def _kind_by_name(path: str, spec: str) -> SourceKind | None:
@@ -63,7 +64,15 @@ def _kind_by_name(path: str, spec: str) -> SourceKind | None:
         return "tar"
     if lower.endswith((".parquet", ".pq")):
         return "parquet"
+    if lower.endswith(".arrow"):
+        return "arrow"
     return None
+
+
+def _folder_shards(fs: Any, path: str, spec: str) -> dict[str, SourceKind]:
+    """A folder as shards: the Arrow files of a dataset saved by ``datasets``, else the folder itself."""
+    saved = saved_dataset_files(fs, path, spec)
+    return {file: "arrow" for file in saved} if saved else {path: "folder"}
 
 
 def _missing(fs: Any, paths: list[str]) -> set[str]:
@@ -104,11 +113,13 @@ def _glob(spec: str, url: str, fs: Any, pattern: str) -> dict[str, SourceKind]:
     for match, info in sorted(matches.items()):
         kind = _kind_by_name(match, spec) or ("folder" if info.get("type") == "directory" else None)
         if kind is None:
-            logger.warning("%s: skipping %s: neither a .tar, a .parquet/.pq file nor a folder", spec, match)
+            logger.warning("%s: skipping %s: neither a .tar, .parquet/.pq or .arrow file nor a folder", spec, match)
+        elif kind == "folder":
+            found.update(_folder_shards(fs, match, spec))
         else:
             found[match] = kind
     if not found:
-        raise SourceError(f"{spec}: the pattern {url} matches no .tar, .parquet/.pq file or folder", url=spec)
+        raise SourceError(f"{spec}: the pattern {url} matches no .tar, .parquet/.pq or .arrow file or folder", url=spec)
     return found
 
 
@@ -136,8 +147,8 @@ def _resolve(spec: str, urls: list[str]) -> list[ShardSpec]:
         else:
             kind = _kind_by_name(path, spec) or ("folder" if fs.isdir(path) else None)
             if kind is None:
-                raise SourceError(f"{spec}: {url} is neither a .tar, a .parquet/.pq file nor a folder", url=spec)
-            found = {path: kind}
+                raise SourceError(f"{spec}: {url} is neither a .tar, .parquet/.pq or .arrow file nor a folder", url=spec)
+            found = _folder_shards(fs, path, spec) if kind == "folder" else {path: kind}
         shards.extend(ShardSpec(prefix + (fs.unstrip_protocol(p) if explicit else p), k) for p, k in found.items())
     return shards
 
@@ -165,146 +176,6 @@ def expand_sources(specs: Sequence[str]) -> list[ShardSpec]:
     return list(shards.values())
 
 
-def escapes_root(name: str) -> bool:
-    """Whether a member path is empty, absolute or has a '..' component (would leave its root)."""
-    return not name or name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/")
-
-
-def link_outside(fs: Any, root: str, relative: str) -> str | None:
-    """Where a folder's file really is, when a symbolic link takes it outside ``root`` (local files); else None."""
-    if not isinstance(fs, LocalFileSystem):
-        return None  # object stores and HTTP have no links
-    real = os.path.realpath(os.path.join(root, relative))
-    return None if inside_root(os.path.realpath(root), real) else real
-
-
-def inside_root(real_root: str, path: str) -> bool:
-    """Whether the real path ``path`` is ``real_root`` or below it."""
-    return path == real_root or path.startswith(real_root.rstrip(os.sep) + os.sep)
-
-
-OPENAT = os.open in os.supports_dir_fd and os.readlink in os.supports_dir_fd and hasattr(os, "O_NOFOLLOW")
-_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-# O_NONBLOCK: opening a FIFO for reading would wait for a writer; the file type is checked once opened
-_FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
-_MAX_LINKS = 40  # as the kernel's own limit for one path
-_FIX_LINK = "copy the file into the folder or remove the link, then re-run `omnifeed index`"
-
-
-def file_type(mode: int) -> str:
-    """What a file that is not a regular one is, in words."""
-    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link")):
-        if test(mode):
-            return name
-    return "regular file" if stat.S_ISREG(mode) else "special file"
-
-
-def open_beneath(root: str, relative: str, where: str, url: str) -> int:
-    """A read-only descriptor of the regular file ``relative`` under the local folder ``root``.
-
-    The path is walked one component at a time, each opened with ``O_NOFOLLOW`` relative to
-    the descriptor of the folder above it; a symbolic link met on the way is resolved here,
-    and only while it stays inside ``root`` (``..`` never climbs above it). A link swapped in
-    by a concurrent writer is therefore seen as a link, never followed by the kernel: no
-    outside file can be opened, whatever happens to the folder meanwhile. FIFOs, sockets and
-    devices are opened without blocking and refused. Raises SourceError (prefixed ``where``)
-    for a link leading outside, a link loop or a file that is not regular; OSError otherwise.
-    """
-    stack = [os.open(root, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))]
-    names: list[str] = []  # the folders walked below root (real ones: links are never opened)
-    pending = relative.split("/")
-    pending.reverse()  # a stack: the next component last
-    links = 0
-    real_root = ""
-    try:
-        while pending:
-            part = pending.pop()
-            if part in ("", "."):
-                continue
-            if part == "..":
-                if len(stack) == 1:
-                    raise SourceError(f"{where}: the path leads above the folder; {_FIX_LINK}", url=url)
-                os.close(stack.pop())
-                names.pop()
-                continue
-            last = all(p in ("", ".") for p in pending)
-            try:
-                fd = os.open(part, _FILE_FLAGS if last else _DIR_FLAGS, dir_fd=stack[-1])
-            except OSError as exc:
-                links += 1
-                if links > _MAX_LINKS:
-                    raise SourceError(f"{where}: a symbolic link loop (more than {_MAX_LINKS} links); remove or fix "
-                                      "the link, then re-run `omnifeed index`", url=url) from None
-                try:
-                    os.readlink(part, dir_fd=stack[-1])
-                except OSError as not_link:
-                    if not_link.errno == errno.EINVAL and exc.errno in (errno.ELOOP, errno.EMLINK):
-                        pending.append(part)  # a link when opened, not now (swapped back): open it again
-                        continue
-                    raise exc from None
-                # A link: where the kernel would resolve it, as a name only; that name is walked again
-                # from the root, component by component, so what it leads to is checked the same way.
-                real_root = real_root or os.path.realpath(root)
-                try:
-                    real = os.path.realpath(os.path.join(real_root, *names, part))
-                except OSError:  # swapped again while realpath read it (EINVAL): open the component again
-                    pending.append(part)
-                    continue
-                if not inside_root(real_root, real):
-                    raise SourceError(f"{where}: a symbolic link to {real}, outside the folder; {_FIX_LINK}",
-                                      url=url) from None
-                while len(stack) > 1:
-                    os.close(stack.pop())
-                names.clear()
-                pending.extend(reversed(real[len(real_root):].split("/")))
-                continue
-            if last:
-                try:
-                    mode = os.fstat(fd).st_mode
-                    if not stat.S_ISREG(mode):
-                        raise SourceError(f"{where}: a {file_type(mode)}, not a regular file; remove it from the "
-                                          "folder", url=url)
-                except BaseException:
-                    os.close(fd)
-                    raise
-                return fd
-            stack.append(fd)
-            names.append(part)
-        raise IsADirectoryError(errno.EISDIR, "a folder, not a file", relative)
-    finally:
-        for descriptor in stack:
-            os.close(descriptor)
-
-
-def read_whole(fd: int, size: int) -> bytes:
-    """``size`` bytes from the start of an open file, fewer when it is shorter."""
-    data = os.pread(fd, size, 0)
-    if 0 < len(data) < size:  # a short read that is not the end (rare; large reads on some file systems)
-        parts = [data]
-        done = len(data)
-        while done < size and (more := os.pread(fd, size - done, done)):
-            parts.append(more)
-            done += len(more)
-        data = b"".join(parts)
-    return data
-
-
-def cell_bytes(column: pa.ChunkedArray) -> list[bytes | None]:
-    """A Parquet column's cells as field bytes: binary as is, strings as stored (UTF-8, unchecked here: the
-    text probe and decoder judge it), anything else as JSON; SourceError for a value Python cannot hold."""
-    if any(getattr(pa.types, f"is_{name}", lambda _: False)(column.type) for name in _BINARY_TYPES):
-        return column.to_pylist()
-    for name, twin in _STRING_TYPES.items():
-        if getattr(pa.types, f"is_{name}", lambda _: False)(column.type):
-            return column.cast(getattr(pa, twin)()).to_pylist()  # the stored bytes, even where they are not valid UTF-8
-    try:
-        values = column.to_pylist()
-    except (ValueError, OverflowError) as exc:  # dates out of Python's range, invalid UTF-8 inside nested values
-        raise SourceError(f"a {column.type} value cannot be converted ({type(exc).__name__}: {exc})") from None
-    return [None if v is None else json.dumps(v, default=str).encode("utf-8") for v in values]
-
-
 _TRANSIENT = (ConnectionError, TimeoutError)
 
 
@@ -317,8 +188,8 @@ def as_source_error(exc: Exception, kind: str, where: str, url: str, fix: str) -
         return SourceError(f"{where}: {exc}; check the URL and its permissions", url=url)
     if isinstance(exc, (tarfile.TarError, EOFError)):
         return SourceError(f"{where}: truncated or corrupt tar ({exc}); {RECREATE_SHARD}", url=url)
-    if kind == "parquet" and not isinstance(exc, _TRANSIENT):  # pyarrow reports corrupt files as OSError too
-        return SourceError(f"{where}: unreadable Parquet file ({exc}); re-write it, then re-index", url=url)
+    if kind in ("parquet", "arrow") and not isinstance(exc, _TRANSIENT):  # pyarrow: corrupt files are OSError too
+        return SourceError(f"{where}: unreadable {kind.capitalize()} file ({exc}); re-write it, then re-index", url=url)
     add_context(exc, f"source={where}")
     return None
 
@@ -344,9 +215,21 @@ def _local_path(url: str) -> str | None:
     return url if "://" not in url and "::" not in url else None
 
 
+def column_kinds(url: str, kind: SourceKind) -> dict[str, str]:
+    """How each column's cells of a Parquet or Arrow file are stored: 'binary', 'string' or 'json' (its schema only)."""
+    if kind == "arrow":
+        schema = arrow_schema(url)
+    else:
+        fs, path = url_to_fs(url)
+        with fs.open(path, "rb") as f:
+            schema = pq.ParquetFile(f).schema_arrow
+    return {field.name: cell_kind(field.type) for field in schema}
+
+
 def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, row: int = -1) -> bytes:
     """Read one field's bytes by its index location: a ranged read of a tar member, one folder
-    file, or one Parquet cell (only that row group's column chunk is read).
+    file, one Parquet cell (only that row group's column chunk is read), or one Arrow cell (the
+    schema and the one record batch holding it).
 
     Raises SourceError naming the URL and member when the data is gone, short or changed;
     connection errors and timeouts propagate (with a note) for the caller to retry.
@@ -389,8 +272,9 @@ def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, r
                     raise SourceError(f"{where}: a symbolic link to {target}, outside the folder; {_FIX_LINK}",
                                       url=url)
                 data = fs.cat_file(f"{root.rstrip('/')}/{member}")
-        elif shard.kind == "parquet":
-            cell = _read_parquet_cell(url, field, row_group, row)
+        elif shard.kind in ("parquet", "arrow"):
+            cell = _read_parquet_cell(url, field, row_group, row) if shard.kind == "parquet" else read_arrow_cell(
+                url, field, row)
             if cell is None:
                 raise SourceError(f"{where}: no value at row group {row_group} row {row}; {reindex}", url=url)
             data = cell

@@ -21,11 +21,12 @@ scanning processes) whenever its function does.
 from __future__ import annotations
 
 import functools
-import importlib
 import logging
 import re
 from collections.abc import Callable
 from typing import Any
+
+from .._user_code import import_function
 
 logger = logging.getLogger(__name__)
 
@@ -72,25 +73,6 @@ def _call_imported(function: Callable[[str], Any], spec: str, text: str) -> int:
         ) from None
 
 
-def _import_function(spec: str) -> Callable[[str], Any]:
-    """Import ``module:attr.path`` and return the callable it names."""
-    module_name, _, attr_path = spec.partition(":")
-    if not module_name or not attr_path:
-        raise ValueError(f"tokenizer {spec!r}: expected 'module:function'")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"tokenizer {spec!r}: cannot import module {module_name!r} ({exc})") from exc
-    for part in attr_path.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ValueError(f"tokenizer {spec!r}: {module_name!r} has no attribute {attr_path!r}") from None
-    if not callable(target):
-        raise ValueError(f"tokenizer {spec!r}: {attr_path!r} is a {type(target).__name__}, not a callable")
-    return target
-
-
 def make_token_counter(spec: str = "regex") -> TokenCounter:
     """Return the text length measure named by ``spec`` (see the module docstring).
 
@@ -104,6 +86,6 @@ def make_token_counter(spec: str = "regex") -> TokenCounter:
             f"unknown tokenizer {spec!r}: use one of {', '.join(repr(b) for b in BUILTIN_COUNTERS)} "
             "or 'module:function'"
         )
-    function = _import_function(name)
+    function = import_function(name, "tokenizer")
     logger.debug("text lengths measured by %s", name)
     return functools.partial(_call_imported, function, name)

@@ -63,6 +63,14 @@ class ServiceError(OmnifeedError):
         self.code = code
 
 
+class RequestError(OmnifeedError):
+    """A request the service refuses (its side of `ServiceError`): sent back as an error reply of kind ``code``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def encode(message: dict[str, Any]) -> bytes:
     """One frame: length prefix and msgpack body."""
     body = msgpack.packb(message, use_bin_type=True)

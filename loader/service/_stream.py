@@ -4,7 +4,8 @@ A `Stream` is a `Feed` for one (data-parallel size, rank, accumulation) plus a p
 that collates each batch straight into one of the stream's segments. Clients attached to it
 (tensor/context-parallel peers) each have a cursor; a client is served the batch that starts at
 its cursor. A batch is dropped when every client of the group is past it; its segment is reused
-once no client holds its tensors. See `_service` for the service around streams.
+once no client holds its tensors. What a stream needs from the service around it comes in a
+`StreamContext` (never the service itself); `_streams` keeps the service's streams.
 """
 
 from __future__ import annotations
@@ -12,29 +13,38 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..plan._audit import delivery_record
+from ..feed import Feed, FeedConfig, SharedResources, Taken
 from ..feed._collate import collate, uncollate
-from ..plan._cursor import PlanCursor
-from .._errors import OmnifeedError
-from ..feed._feed import Feed
-from ._arena import Segment, SegmentWriter, array_decoder, encode_batch, grown_size
-from ._protocol import decode, encode
-
-if TYPE_CHECKING:
-    from ._server import FeedService
+from ..index import SampleIndex
+from ._arena import Segment, SegmentWriter, array_decoder, encode_batch
+from ._protocol import RequestError, decode, encode
+from ._slots import SegmentSlots
 
 log = logging.getLogger("omnifeed.service")
 
-class RequestError(OmnifeedError):
-    """A request the service refuses: sent back to the client as an error reply of kind ``code``."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+@dataclass(frozen=True)
+class StreamContext:
+    """What a stream needs from the service: the engine it shares with the other streams, and where it reports.
+
+    ``next_seq``: a batch number unique in the service; ``record_resize(started)``: a stream of a new topology
+    served its first batch (``started``: when the change began, ``time.perf_counter``); ``audit(record)``: log a
+    delivery; ``lend(ready, stream)``: keep track of a dropped batch clients still hold (called holding the
+    stream's lock).
+    """
+
+    index: SampleIndex
+    config: FeedConfig
+    shared: SharedResources  # plan, field reader, metrics, decode pools, hand-over
+    prefetch_batches: int  # collated batches kept ready ahead of the clients
+    next_seq: Callable[[], int]
+    record_resize: Callable[[float], None]
+    audit: Callable[[dict[str, Any]], None]
+    lend: Callable[[Ready, Stream], None]
 
 
 def _order(state: Mapping[str, Any]) -> tuple[int, int]:
@@ -80,12 +90,11 @@ class _Attached:
 class Stream:
     """One data-parallel rank's batches: a feed, a producer thread, ready batches in shared memory."""
 
-    def __init__(self, service: FeedService, key: tuple[int, int, int], group: int, start: dict[str, Any]) -> None:
-        self.service, self.key, self.group = service, key, group
+    def __init__(self, context: StreamContext, key: tuple[int, int, int], group: int, start: dict[str, Any]) -> None:
+        self.context, self.key, self.group = context, key, group
         dp_world, dp_rank, accum = key
-        self.feed = Feed._sharing(service.index, service.plan, service.config.feed, service.reader,
-                                  service.feed_metrics, service.pools, service.take_handover,
-                                  world_size=dp_world, rank=dp_rank, grad_accum=accum)
+        self.feed = Feed(context.index, context.config, world_size=dp_world, rank=dp_rank, grad_accum=accum,
+                         shared=context.shared)
         self.resize_started: float | None = None  # set when this stream serves a new topology
         self.feed.load_state_dict(start)
         self.cond = threading.Condition()
@@ -96,12 +105,8 @@ class Stream:
         self.error: BaseException | None = None
         self.closed = False
         self.idle_since: float | None = time.monotonic()
-        self._slots: list[Segment | None] = []  # None: a slot given up when the peer group shrank
-        self._free: list[Segment] = []
-        self._next_generation: dict[int, int] = {}  # of slots given up: a new segment there is never mistaken for the old
-        self._segment_size = 0  # for new and reused segments: grown_size of the largest batch so far
-        self.one_offs = 0  # batches sent in one-off segments because clients held every slot
-        self._prefetch = service.config.prefetch_batches
+        self._segments = SegmentSlots()
+        self._prefetch = context.prefetch_batches
         self._thread = threading.Thread(target=self._produce, name=f"omnifeed-stream-{dp_rank}", daemon=True)
         self._thread.start()
 
@@ -116,23 +121,17 @@ class Stream:
     def _slot_limit(self) -> int:
         return self._prefetch + 2 * self.group + 2
 
+    @property
+    def one_offs(self) -> int:
+        """Batches sent in one-off segments because clients held every slot."""
+        return self._segments.one_offs
+
     def _regroup(self) -> None:
         """The peer group is the largest any attached client declares: it shrinks when clients leave; then free
         segments beyond what the smaller group needs are closed (holding the lock)."""
         if self.clients:
             self.group = max(c.group for c in self.clients.values())
-        self._trim()
-
-    def _trim(self) -> None:
-        limit = self._slot_limit()
-        for segment in [s for s in self._free if s.slot >= limit]:
-            self._free.remove(segment)
-            if 0 <= segment.slot < len(self._slots) and self._slots[segment.slot] is segment:
-                self._slots[segment.slot] = None
-                self._next_generation[segment.slot] = segment.generation + 1
-            segment.close()
-        while self._slots and self._slots[-1] is None:
-            self._slots.pop()
+        self._segments.trim(self._slot_limit())
 
     def _produce(self) -> None:
         try:
@@ -146,14 +145,14 @@ class Stream:
                         self._restart(self.restart_to)
                         continue
                     before = self.head
-                taken = self.feed._take()
+                taken = self.feed.take()
                 after = self.feed.state_dict()
                 with self.cond:
                     if self.closed:
                         return
                     if self.restart_to is not None:  # a client asked for an earlier position meanwhile
                         continue
-                    segment = self._segment()
+                    segment = self._segments.take(self._slot_limit())
                 self._publish(taken, before, after, segment)
         except BaseException as exc:  # noqa: BLE001  handed to the clients, who get an error reply
             with self.cond:
@@ -170,44 +169,17 @@ class Stream:
         self.feed.load_state_dict(state)
         self.head = self.feed.state_dict()
 
-    def _segment(self) -> Segment:
-        """A segment for the next batch, at least as large as the largest batch so far needed (holding the lock):
-        sized per slot, every slot would overflow on its own and its batch be collated twice (one epoch of the
-        mixed benchmark did that for most batches)."""
-        if self._free:
-            segment = self._free.pop()
-            if segment.size >= self._segment_size:
-                return segment
-            grown = Segment(segment.slot, segment.generation + 1, self._segment_size)
-            self._slots[segment.slot] = grown
-            segment.close()
-            return grown
-        limit = self._slot_limit()
-        slot = next((i for i, s in enumerate(self._slots[:limit]) if s is None), None)
-        if slot is None and len(self._slots) < limit:
-            slot = len(self._slots)
-            self._slots.append(None)
-        if slot is not None:
-            segment = Segment(slot, self._next_generation.pop(slot, 0), self._segment_size)
-            self._slots[slot] = segment
-            return segment
-        self.one_offs += 1
-        return Segment(-1, 0, self._segment_size)  # clients hold every slot: a one-off
-
-    def _publish(self, taken: Any, before: dict[str, Any], after: dict[str, Any], segment: Segment) -> None:
+    def _publish(self, taken: Taken, before: dict[str, Any], after: dict[str, Any], segment: Segment) -> None:
         writer = SegmentWriter(segment)
         batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
         if writer.overflowed:
             del batch
             with self.cond:
-                self._segment_size = max(self._segment_size, grown_size(writer.needed))
-                grown = Segment(segment.slot, segment.generation + 1, self._segment_size)
-                if segment.slot >= 0:
-                    self._slots[segment.slot] = grown
+                grown = self._segments.grow(segment, writer.needed)
             segment.close()
             segment, writer = grown, SegmentWriter(grown)
             batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
-        seq = self.service.next_seq()
+        seq = self.context.next_seq()
         message = {"op": "batch", "seq": seq, "segment": segment.name, "batch": encode_batch(batch, segment),
                    "state": after}
         frame = encode(message)
@@ -291,7 +263,7 @@ class Stream:
                 self.cond.wait(0.5)
             waited = time.perf_counter() - started
             if self.resize_started is not None:
-                self.service.record_resize(self.resize_started)
+                self.context.record_resize(self.resize_started)
                 self.resize_started = None
             attached.waited_s += waited
             attached.last_wait_s = waited
@@ -307,7 +279,7 @@ class Stream:
     def _audit(self, ready: Ready, since: str | None) -> None:
         if not ready.audited:
             ready.audited = True
-            self.service.write_audit({**ready.record, "since": since})
+            self.context.audit({**ready.record, "since": since})
 
     def _done_with(self, ready: Ready) -> bool:
         """No client of the group needs this batch any more (holders aside)."""
@@ -323,23 +295,13 @@ class Stream:
         """Forget a batch; its segment is free again once no client holds it."""
         self.ready.remove(ready)
         if ready.holders:
-            self.service.lent(ready, self)
+            self.context.lend(ready, self)
             return
         self.recycle(ready)
 
     def recycle(self, ready: Ready) -> None:
         """A batch no client holds any more: its segment is free again, or closed if a departed client may read it."""
-        segment = ready.segment
-        mine = 0 <= segment.slot < len(self._slots) and self._slots[segment.slot] is segment
-        if mine and not ready.abandoned:
-            self._free.append(segment)
-            self._trim()
-            return
-        if mine:  # a departed client may read it: the slot gets a fresh segment (a new generation) when next needed
-            self._slots[segment.slot] = None
-            self._next_generation[segment.slot] = segment.generation + 1
-            self._trim()
-        segment.close()
+        self._segments.recycle(ready.segment, ready.abandoned, self._slot_limit())
 
     def harvest(self) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
         """Batches no client took yet, as (delivery record, decoded samples): views of their segments, which are never
@@ -357,13 +319,13 @@ class Stream:
     def segments(self) -> tuple[int, int]:
         """Segments this stream keeps and their bytes."""
         with self.cond:
-            kept = [s for s in self._slots if s is not None]
+            kept = self._segments.kept()
             return len(kept), sum(s.size for s in kept)
 
     def live(self) -> set[tuple[int, int]]:
         """(slot, generation) of the segments this stream keeps (holding the lock or not)."""
         with self.cond:
-            return {(s.slot, s.generation) for s in self._slots if s is not None}
+            return {(s.slot, s.generation) for s in self._segments.kept()}
 
     def close(self) -> None:
         """Stop the producer, the feed and free every segment (idempotent)."""
@@ -375,9 +337,5 @@ class Stream:
         self.feed.close()
         self._thread.join(timeout=30)
         with self.cond:
-            for segment in self._slots:
-                if segment is not None:
-                    segment.close()
-            self._slots.clear()
-            self._free.clear()
+            self._segments.close()
             self.ready.clear()

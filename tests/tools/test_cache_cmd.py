@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from omnifeed.cache import NvmeTier, NvmeTierConfig, RamTier, RamTierConfig, entry_key
-from omnifeed.cache import _ram
+from omnifeed.cache import _ram_layout
 from omnifeed.tools._cli import main
 
 
@@ -75,7 +75,7 @@ def test_a_file_that_only_looks_like_a_segment_is_never_listed_or_removed(capsys
 def test_all_mine_removes_every_segment_of_the_user_and_nothing_else(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(_ram, "_SHM", tmp_path)
+    monkeypatch.setattr(_ram_layout, "_SHM", tmp_path)
     mine = [fill("a", 1), fill("b", 2)]
     foreign = [tmp_path / "omnifeed-ram-c", tmp_path / "other-program-segment", tmp_path / "omnifeed-ram-d.lock"]
     foreign[0].write_bytes(os.urandom(8192))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from omnifeed.loader import (
+    MODALITIES,
     Feed,
     FeedConfig,
     FeedError,
@@ -20,6 +21,11 @@ from omnifeed.loader import (
     SampleIndex,
     build_index,
 )
+from omnifeed.loader.decode import make_decoder
+from omnifeed.loader.feed import SharedResources
+from omnifeed.loader.feed._metrics import FeedMetrics
+from omnifeed.loader.feed._pipeline import FieldReader
+from omnifeed.loader.plan import Plan
 from omnifeed.loader.plan._audit import read_delivery_logs, verify_coverage
 
 
@@ -218,3 +224,32 @@ def test_a_user_decoder_returning_torch_tensors_gives_the_same_batches(index: Sa
         got = [feed.next_batch() for _ in range(3)]
     assert all(same_batch(a, b) for a, b in zip(got, expected))
     assert any(isinstance(b.get("image", {}).get("pixels"), torch.Tensor) for b in got)
+
+
+def test_take_is_the_next_micro_batch_before_collation(index: SampleIndex) -> None:
+    with Feed(index, config(), world_size=2, rank=1) as feed, Feed(index, config(), world_size=2, rank=1) as other:
+        taken = [feed.take() for _ in range(2)]
+        batches = [other.next_batch() for _ in range(2)]
+        assert feed.state_dict() == other.state_dict()  # the position moved past them alike
+    for one, batch in zip(taken, batches, strict=True):
+        assert one.keys == batch["__key__"] == one.record["keys"] and len(one.samples) == len(one.keys)
+        assert one.info == {k: v for k, v in batch["__info__"].items() if k in one.info}
+    with pytest.raises(FeedError, match="closed"):
+        feed.take()
+
+
+def test_feeds_on_shared_resources_deliver_what_their_own_would_and_leave_them_open(index: SampleIndex) -> None:
+    metrics = FeedMetrics()
+    reader = FieldReader(config(), {m: make_decoder(m, config().decode) for m in MODALITIES}, metrics, index.fingerprint)
+    shared = SharedResources(Plan.from_index(index, config().plan), reader, metrics)
+    try:
+        for rank in range(2):  # one after the other, on the same reader
+            with Feed(index, config(), world_size=2, rank=rank, shared=shared) as feed, \
+                    Feed(index, config(), world_size=2, rank=rank) as own:
+                assert feed.plan is shared.plan
+                assert [feed.next_batch()["__key__"] for _ in range(2)] == [own.next_batch()["__key__"] for _ in range(2)]
+        assert metrics.snapshot({})["batches"] == 4  # counted in the owner's metrics
+        with pytest.raises(ValueError, match="shared field reader"):
+            Feed(index, config(), shared=shared, decoders={"text": lambda data, key: data})
+    finally:
+        reader.close()

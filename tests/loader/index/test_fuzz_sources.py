@@ -258,10 +258,14 @@ def test_parquet_columns_of_any_type_scan_or_raise_a_source_error(work: Path, ke
         _read_and_decode_everything(scan)
 
 
-def test_parquet_text_that_is_not_utf8_is_a_source_error_naming_the_key(work: Path) -> None:
+def test_parquet_text_that_is_not_utf8_is_a_damaged_row_naming_the_key(work: Path) -> None:
     pq.write_table(pa.table({"__key__": ["k1", "k2"], "txt": _INVALID_UTF8}), work / "latin.parquet")
+    scan = scan_shard(ShardSpec(str(work / "latin.parquet"), "parquet"), CONFIG)
+    assert [s.key for s in scan.samples] == ["k2"]  # the damaged row is left out, the rest indexed
+    [damaged] = scan.damaged
+    assert damaged.key == "k1" and damaged.reason == "encoding" and damaged.member == "txt"
     with pytest.raises(SourceError, match=r"'txt'.*sample 'k1'.*not valid UTF-8") as caught:
-        scan_shard(ShardSpec(str(work / "latin.parquet"), "parquet"), CONFIG)
+        scan_shard(ShardSpec(str(work / "latin.parquet"), "parquet"), CONFIG.model_copy(update={"strict": True}))
     assert caught.value.key == "k1"
     pq.write_table(pa.table({"__key__": _INVALID_UTF8, "txt": ["a", "b"]}), work / "latin-key.parquet")
     with pytest.raises(SourceError, match=r"'__key__' holds a key that cannot be converted \(UnicodeDecodeError"):

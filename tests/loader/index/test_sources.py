@@ -242,7 +242,7 @@ def scan_error(path: Path, kind: str = "tar", config: IndexConfig = CONFIG) -> S
 
 
 @pytest.mark.parametrize("where", ["mid-header", "at-header", "mid-data", "no-end-marker", "first-block"])
-def test_truncated_tar_is_an_error_naming_the_shard(tmp_path, media, where):
+def test_a_truncated_tar_keeps_the_samples_before_the_break_and_names_the_rest(tmp_path, media, where):
     data = write_tar(io.BytesIO(), samples_of(media)).getvalue()
     last = tarfile.open(fileobj=io.BytesIO(data)).getmembers()[-1]
     end = {
@@ -253,7 +253,15 @@ def test_truncated_tar_is_an_error_naming_the_shard(tmp_path, media, where):
         "first-block": 300,
     }[where]
     (tmp_path / "t.tar").write_bytes(data[:end])
-    assert "re-create the shard" in str(scan_error(tmp_path / "t.tar"))
+    assert "re-create the shard" in str(scan_error(tmp_path / "t.tar", config=IndexConfig(strict=True)))
+    if where == "first-block":  # nothing readable before the break: the shard is refused
+        assert "re-create the shard" in str(scan_error(tmp_path / "t.tar"))
+        return
+    scan = scan_shard(ShardSpec(str(tmp_path / "t.tar"), "tar"), CONFIG)
+    assert [s.key for s in scan.samples] == ["s0", "dir/s1"]
+    [damaged] = scan.damaged  # the sample being read when the tar broke: perhaps incomplete
+    assert damaged.key == "s2" and damaged.reason == "truncated" and "re-create the shard" in damaged.error
+    assert "the 2 samples before it are indexed, sample 's2' (perhaps incomplete)" in damaged.error
 
 
 def test_garbage_header_in_the_middle_of_a_tar_is_an_error(tmp_path):
@@ -267,7 +275,6 @@ def test_garbage_header_in_the_middle_of_a_tar_is_an_error(tmp_path):
 @pytest.mark.parametrize(
     ("members", "message", "key"),
     [
-        ([("a.txt", b"1"), ("b.txt", b"2"), ("a.jpg", b"3")], "must be adjacent", "a"),
         ([("a.jpg", b"1"), ("a.JPG", b"2")], "field 'jpg' twice", "a"),
         ([("../a.txt", b"1")], "escapes its root", None),
         ([("/etc/a.txt", b"1")], "escapes its root", None),
@@ -277,6 +284,17 @@ def test_garbage_header_in_the_middle_of_a_tar_is_an_error(tmp_path):
 def test_malformed_tar_members_are_errors_naming_shard_and_key(tmp_path, members, message, key):
     error = scan_error(raw_tar(tmp_path / "t.tar", members))
     assert message in str(error) and error.key == key
+
+
+def test_members_of_a_key_appearing_again_are_left_out_and_named_the_first_kept(tmp_path):
+    path = raw_tar(tmp_path / "t.tar", [("a.txt", b"1"), ("b.txt", b"2"), ("a.jpg", b"3"), ("c.txt", b"4")])
+    scan = scan_shard(ShardSpec(str(path), "tar"), CONFIG)
+    assert [(s.key, [f.name for f in s.fields]) for s in scan.samples] == [("a", ["txt"]), ("b", ["txt"]),
+                                                                          ("c", ["txt"])]
+    [damaged] = scan.damaged
+    assert (damaged.key, damaged.member, damaged.reason) == ("a", "a.jpg", "not_adjacent")
+    assert "must be adjacent" in damaged.error and str(path) in damaged.error
+    assert "must be adjacent" in str(scan_error(path, config=IndexConfig(strict=True)))
 
 
 def test_empty_and_compressed_tars_are_errors(tmp_path):
@@ -292,11 +310,15 @@ def test_corrupt_image_header_names_the_shard_member_and_key(tmp_path):
     assert "'k9.jpg'" in str(error) and error.key == "k9" and "map the field to 'meta'" in str(error)
 
 
-def test_parquet_without_the_key_column_says_what_to_set(tmp_path):
-    pq.write_table(pa.table({"id": ["a"], "txt": ["x"]}), tmp_path / "t.parquet")
-    assert "IndexConfig.key_column" in str(scan_error(tmp_path / "t.parquet", "parquet"))
+def test_parquet_without_a_key_column_is_keyed_by_file_stem_and_row_and_a_named_one_must_exist(tmp_path):
+    pq.write_table(pa.table({"id": ["a", "b", "c"], "txt": ["x", "y", "z"]}), tmp_path / "t.parquet", row_group_size=2)
+    by_row = scan_shard(ShardSpec(str(tmp_path / "t.parquet"), "parquet"), CONFIG)
+    assert [(s.key, s.row_group, s.row) for s in by_row.samples] == [("t/0", 0, 0), ("t/1", 0, 1), ("t/2", 1, 0)]
+    assert [f.name for f in by_row.samples[0].fields] == ["id", "txt"]
     by_id = scan_shard(ShardSpec(str(tmp_path / "t.parquet"), "parquet"), IndexConfig(key_column="id"))
-    assert [s.key for s in by_id.samples] == ["a"]
+    assert [s.key for s in by_id.samples] == ["a", "b", "c"]
+    error = scan_error(tmp_path / "t.parquet", "parquet", IndexConfig(key_column="name"))
+    assert "no key column 'name'" in str(error) and "IndexConfig.key_column (--key-column)" in str(error)
     pq.write_table(pa.table({"__key__": ["a", "a"]}), tmp_path / "d.parquet")
     assert "again" in str(scan_error(tmp_path / "d.parquet", "parquet"))
 

@@ -177,3 +177,22 @@ def test_prometheus_and_omnifeed_stats_show_the_running_service(index_dir: Path,
     table = capsys.readouterr().out
     assert "image" in table and "clients 1" in table
     assert table.strip().splitlines()[-1].startswith("clients")  # the verdict line: who waits, and what limits
+
+
+def test_a_client_whose_process_died_is_seen_gone_before_its_thread_reads_the_end_of_file() -> None:
+    import socket as sockets
+
+    from omnifeed.loader.service._server import peer_gone
+
+    ours, theirs = sockets.socketpair()
+    ours.settimeout(300)  # as a served connection: a peek must still not wait
+    try:
+        assert not peer_gone(ours)
+        theirs.sendall(b"x")  # a request waiting to be read: alive
+        assert not peer_gone(ours)
+        theirs.close()  # the process died: the kernel closed its end
+        assert not peer_gone(ours)  # the unread request comes first
+        ours.recv(1)
+        assert peer_gone(ours)
+    finally:
+        ours.close()

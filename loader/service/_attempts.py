@@ -1,0 +1,75 @@
+"""`AttemptLog`: the service's audit log and the attempts its deliveries are tagged with.
+
+An **attempt** is a run of the job since it loaded a checkpoint. Clients that load the same
+checkpoint (its digest travels in the hello; ``"start"`` for a job starting from scratch) join
+one attempt, however staggered their start, unless a client of that attempt left without a
+goodbye (crashed, killed, stopped by torchrun: the job is restarting); then a new attempt opens
+and a **resume marker** is logged (``{"resume": ATTEMPT, "epoch", "step", "accum_done",
+"topology_version", "keys": []}``): deliveries of earlier attempts from that step on were never
+committed, and `verify_coverage` rolls them back. Every delivery record is tagged
+``"since": ATTEMPT``. Records are written under one lock, a marker together with the attempt it
+opens. docs/service.md, "Committed steps in the audit log".
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from typing import IO, Any
+
+from ..plan import open_audit_log
+
+
+class AttemptLog:
+    """Attempts keyed by checkpoint digest, and the audit log (``path``; None: attempts are kept, nothing written)."""
+
+    def __init__(self, path: str | None) -> None:
+        self._file: IO[str] | None = open_audit_log(path) if path else None
+        self._lock = threading.Lock()
+        self._attempts: dict[str, tuple[str, bool]] = {}  # checkpoint digest -> (its latest attempt, crashed)
+
+    def join(self, attempt: str | None, resume: str | None, state: dict[str, Any]) -> str | None:
+        """The attempt a client's deliveries belong to.
+
+        ``attempt``: the one the client already knows (it reconnects, to this service or a
+        restarted one): kept. Else ``resume``: the digest of the checkpoint it just loaded; it
+        joins the attempt that loaded it, unless that attempt crashed; else a new attempt opens
+        and a resume marker at ``state`` (the client's feed state) is logged. None: neither.
+        """
+        with self._lock:
+            if attempt is not None or resume is None:
+                return attempt
+            current = self._attempts.get(resume)
+            if current is not None and not current[1]:
+                return current[0]
+            opened = f"{resume}-{uuid.uuid4().hex[:8]}"
+            self._attempts[resume] = (opened, False)
+            self._write({"resume": opened, "epoch": state["plan"]["epoch"], "step": state["plan"]["step"],
+                         "accum_done": state["accum_done"], "topology_version": state["plan"]["topology_version"],
+                         "keys": []})
+            return opened
+
+    def crashed(self, attempt: str) -> None:
+        """A client of ``attempt`` left without a goodbye: that attempt is over (the next load opens another)."""
+        with self._lock:
+            for checkpoint, (known, _) in list(self._attempts.items()):
+                if known == attempt:
+                    self._attempts[checkpoint] = (known, True)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one delivery record (if there is a log)."""
+        with self._lock:
+            self._write(record)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        """Close the log (idempotent); later records are dropped."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None

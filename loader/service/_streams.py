@@ -1,0 +1,155 @@
+"""The service's streams, one per (data-parallel size, data-parallel rank, accumulation), and topology changes.
+
+A hello that needs a stream of another topology (data-parallel size, accumulation) than the
+newest starts a **change** (`Resizes`): client-less streams of the old topology retire — their
+untaken batches are handed over (`BatchLedger`) before any new stream plans ahead — and the
+change lasts until the slowest new stream served its first batch. Changes are serialized.
+Streams are at most ``max_clients``: a new one closes the stream idle longest (no client), or
+the hello is refused with ``busy``. A stream without clients for ``stream_idle_s`` closes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ._ledger import BatchLedger
+from ._protocol import RequestError
+from ._stream import Stream, StreamContext
+
+Key = tuple[int, int, int]  # (data-parallel size, data-parallel rank, accumulation)
+
+
+class Resizes:
+    """Topology changes: how many, and the seconds they took (each until its slowest new stream's first batch)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+        self.seconds = self.last_s = 0.0
+        self.started: float | None = None  # when the latest change's first hello arrived (time.perf_counter)
+        self._slowest = 0.0  # the slowest stream of that change to its first batch
+
+    def begin(self) -> None:
+        """A change starts now."""
+        with self._lock:
+            self.count += 1
+            self.started, self._slowest = time.perf_counter(), 0.0
+
+    def record(self, started: float) -> None:
+        """A stream of the change that began at ``started`` served its first batch (an earlier change's: ignored)."""
+        with self._lock:
+            if started != self.started:
+                return
+            seconds = time.perf_counter() - started
+            if seconds > self._slowest:
+                self.seconds += seconds - self._slowest
+                self._slowest = self.last_s = seconds
+
+
+class StreamTable:
+    """The streams by key; opening one (a topology change first, when it is one), leaving, idling, closing."""
+
+    def __init__(self, context: StreamContext, ledger: BatchLedger, resizes: Resizes, max_clients: int) -> None:
+        self._context, self._ledger, self._resizes, self._max = context, ledger, resizes, max_clients
+        self._lock = threading.Lock()
+        self._changing = threading.Lock()  # serializes topology changes: retire and hand over, then new streams
+        self._streams: dict[Key, Stream] = {}
+        self._topology: tuple[int, int] | None = None  # (data-parallel size, accumulation) of the newest stream
+
+    def open(self, key: Key, group: int, state: dict[str, Any]) -> Stream:
+        """The stream of ``key``, created at ``state`` for a peer group of ``group`` if there is none (or it closed)."""
+        dp_world, _, accum = key
+        with self._changing:  # a topology change: the old streams hand over before any new stream plans ahead
+            with self._lock:
+                stream = self._streams.get(key)
+                retiring = []
+                if stream is None or stream.closed:
+                    if self._topology != (dp_world, accum):
+                        if self._topology is not None:
+                            self._resizes.begin()
+                            self._ledger.clear_handover()  # entries of an earlier change are stale
+                        self._topology = (dp_world, accum)
+                    retiring = self._stale()
+            self._retire(retiring)
+            with self._lock:
+                stream = self._streams.get(key)
+                evicted = None
+                if stream is None or stream.closed:
+                    if len(self._streams) >= self._max:  # streams are bounded as connections are
+                        evicted = self._evict_idle()
+                    stream = self._streams[key] = Stream(self._context, key, group, state)
+                    stream.resize_started = self._resizes.started
+            if evicted is not None:
+                threading.Thread(target=evicted.close, name="omnifeed-evict", daemon=True).start()
+        return stream
+
+    def leave(self, stream: Stream, client: int) -> None:
+        """``client`` left ``stream``; client-less streams of an old topology retire."""
+        stream.detach(client)
+        with self._changing:
+            with self._lock:
+                retiring = self._stale()
+            self._retire(retiring)
+
+    def streams(self) -> list[Stream]:
+        """The open streams."""
+        with self._lock:
+            return list(self._streams.values())
+
+    def close_idle(self, idle_s: float) -> None:
+        """Close the streams that had no client for ``idle_s`` seconds."""
+        now = time.monotonic()
+        with self._lock:
+            idle = [k for k, s in self._streams.items() if s.idle_since is not None and now - s.idle_since >= idle_s]
+            closing = [self._streams.pop(k) for k in idle]
+        for stream in closing:
+            stream.close()
+
+    def close(self) -> None:
+        """Close every stream."""
+        with self._lock:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The streams' part of the metrics: ``clients`` (one row per attached client), ``streams``, ``segments``,
+        ``segment_bytes``, ``one_off_segments``."""
+        streams = self.streams()
+        clients = []
+        segments = segment_bytes = one_offs = 0
+        for stream in streams:
+            count, nbytes = stream.segments()
+            segments, segment_bytes, one_offs = segments + count, segment_bytes + nbytes, one_offs + stream.one_offs
+            with stream.cond:
+                for attached in stream.clients.values():
+                    clients.append({"client": str(attached.client), "rank": attached.rank, "dp_rank": stream.key[1],
+                                    "dp_world_size": stream.key[0], "batches": attached.batches,
+                                    "waited_s": attached.waited_s, "last_wait_s": attached.last_wait_s})
+        return {"clients": clients, "streams": len(streams), "segments": segments, "segment_bytes": segment_bytes,
+                "one_off_segments": one_offs}
+
+    def _stale(self) -> list[Stream]:
+        """Client-less streams of another topology than the newest (holding the lock); removed."""
+        stale = [k for k, s in self._streams.items()
+                 if (k[0], k[2]) != self._topology and not s.clients and self._topology is not None]
+        return [self._streams.pop(k) for k in stale]
+
+    def _evict_idle(self) -> Stream:
+        """Make room for a new stream (holding the lock): the client-less stream idle longest, removed."""
+        idle = [(s.idle_since, k) for k, s in self._streams.items() if s.idle_since is not None and not s.clients]
+        if not idle:
+            raise RequestError("busy", f"the service keeps {self._max} streams at most (max_clients) "
+                               "and every one has a client")
+        return self._streams.pop(min(idle)[1])
+
+    def _retire(self, streams: list[Stream]) -> None:
+        """Hand the decoded samples of their untaken batches over to whichever new stream deals them; close them."""
+        for stream in streams:
+            with stream.cond:
+                harvested = stream.harvest()
+            self._ledger.hand_over(harvested)
+            threading.Thread(target=stream.close, name="omnifeed-retire", daemon=True).start()

@@ -1,0 +1,111 @@
+"""The index's output folder: replaced only when empty or an omnifeed index and nothing else, refused before a
+shard is scanned otherwise, and never left half-written or with omnifeed's temporary folders beside it."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omnifeed.loader import IndexConfig, OmnifeedError, SampleIndex, SourceError, build_index
+
+CONFIG = IndexConfig(workers=1)
+
+
+def shard(path: Path, keys: list[str]) -> str:
+    """A tar shard of one text field per key."""
+    with tarfile.open(path, "w") as tar:
+        for key in keys:
+            info = tarfile.TarInfo(f"{key}.txt")
+            info.size = len(key)
+            tar.addfile(info, io.BytesIO(key.encode()))
+    return str(path)
+
+
+def build(sources: list[str], out: Path) -> SampleIndex:
+    build_index(sources, out, CONFIG, progress=False)
+    return SampleIndex(out)
+
+
+def leftovers(parent: Path) -> list[str]:
+    """Omnifeed's temporary folders left beside an index (a build in progress, an old index moved aside)."""
+    return sorted(p.name for p in parent.iterdir() if ".building-" in p.name or ".old-" in p.name)
+
+
+@pytest.mark.parametrize("existing", ["absent", "empty"])
+def test_an_absent_or_empty_folder_becomes_the_index(tmp_path: Path, existing: str) -> None:
+    out = tmp_path / "index"
+    if existing == "empty":
+        out.mkdir()
+    assert build([shard(tmp_path / "a.tar", ["a1", "a2"])], out).num_samples == 2
+    assert leftovers(tmp_path) == []
+
+
+def test_an_index_is_replaced_by_the_new_one_as_a_whole(tmp_path: Path) -> None:
+    out = tmp_path / "index"
+    build([shard(tmp_path / "a.tar", ["a1", "a2", "a3"])], out)
+    build_index([shard(tmp_path / "b.tar", ["b1"])], out, CONFIG.model_copy(update={"partitions": 1}), progress=False)
+    index = SampleIndex(out)
+    assert index.keys(range(index.num_samples)) == ["b1"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("part-")) == ["part-00000.arrow", "part-00000.parquet"]
+    assert leftovers(tmp_path) == []
+
+
+def test_a_folder_of_other_files_is_refused_before_anything_is_scanned(tmp_path: Path) -> None:
+    out = tmp_path / "results"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    scanned: list[str] = []
+
+    def scanner(shards: list, config: IndexConfig) -> Iterator:
+        scanned.extend(s.url for s in shards)
+        return iter(())
+
+    with pytest.raises(OmnifeedError, match=r"results: not empty and not an omnifeed index .* choose another --out"):
+        build_index([shard(tmp_path / "a.tar", ["a1"])], out, CONFIG, progress=False, scanner=scanner)
+    assert scanned == [] and [p.name for p in out.iterdir()] == ["notes.txt"] and leftovers(tmp_path) == []
+
+
+def test_an_index_with_files_omnifeed_did_not_write_is_refused_naming_them(tmp_path: Path) -> None:
+    out = tmp_path / "index"
+    before = build([shard(tmp_path / "a.tar", ["a1", "a2"])], out).fingerprint
+    (out / "README.md").write_text("about this index")
+    (out / "part-00000.parquet.bak").write_bytes(b"")
+    with pytest.raises(OmnifeedError, match=r"files omnifeed did not write \(README\.md, part-00000\.parquet\.bak\)"):
+        build_index([shard(tmp_path / "b.tar", ["b1"])], out, CONFIG, progress=False)
+    assert SampleIndex(out).fingerprint == before and (out / "README.md").exists()
+
+
+def test_a_manifest_of_someone_else_does_not_make_a_folder_an_index(tmp_path: Path) -> None:
+    out = tmp_path / "index"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"format": "another-tool/1"}))
+    with pytest.raises(OmnifeedError, match="not an omnifeed index"):
+        build_index([shard(tmp_path / "a.tar", ["a1"])], out, CONFIG, progress=False)
+    assert json.loads((out / "manifest.json").read_text()) == {"format": "another-tool/1"}
+
+
+@pytest.mark.parametrize("kind", ["link", "file"])
+def test_a_link_or_a_file_at_the_output_path_is_refused(tmp_path: Path, kind: str) -> None:
+    out, target = tmp_path / "index", tmp_path / "real"
+    target.mkdir()
+    if kind == "link":
+        out.symlink_to(target)
+    else:
+        out.write_text("a file")
+    with pytest.raises(OmnifeedError, match="a symbolic link" if kind == "link" else "exists and is not a folder"):
+        build_index([shard(tmp_path / "a.tar", ["a1"])], out, CONFIG, progress=False)
+    assert list(target.iterdir()) == [] and leftovers(tmp_path) == []
+
+
+def test_a_build_that_fails_leaves_the_old_index_and_no_temporary_folder(tmp_path: Path) -> None:
+    out = tmp_path / "index"
+    before = build([shard(tmp_path / "a.tar", ["a1"])], out).fingerprint
+    (tmp_path / "broken.tar").write_bytes(b"not a tar file" * 100)
+    with pytest.raises(SourceError, match="no sample could be indexed"):
+        build_index([str(tmp_path / "broken.tar")], out, CONFIG, progress=False)
+    assert SampleIndex(out).fingerprint == before and leftovers(tmp_path) == []

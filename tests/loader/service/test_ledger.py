@@ -1,0 +1,89 @@
+"""The batch ledger: micro-batches handed over from retired streams (taken once, bounded, checked by key) and
+batches lent to clients after their stream dropped them (recycled when the last holder lets go)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnifeed.loader import PlanConfig
+from omnifeed.loader.index import SampleIndex
+from omnifeed.loader.plan import MicroBatch, Plan, PlanCursor
+from omnifeed.loader.service._ledger import BatchLedger
+from omnifeed.loader.service._stream import Ready
+
+
+@pytest.fixture(scope="module")
+def index(index_dir: Path) -> SampleIndex:
+    return SampleIndex(index_dir)
+
+
+def micro_batches(index: SampleIndex, count: int) -> list[MicroBatch]:
+    cursor = PlanCursor(Plan.from_index(index, PlanConfig(seed=3, batch_size=4)), world_size=1)
+    return [cursor.next_step().for_rank(0)[0] for _ in range(count)]
+
+
+def harvested(index: SampleIndex, micro_batch: MicroBatch, tag: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """What a retired stream hands over: the micro-batch's delivery record and its decoded samples."""
+    record = {"epoch": micro_batch.epoch, "micro_batch": micro_batch.index, "keys": index.keys(micro_batch.positions)}
+    return record, [{"meta": {"tag": tag}}]
+
+
+def test_a_handed_over_micro_batch_is_taken_once_and_counted(index: SampleIndex) -> None:
+    ledger = BatchLedger(index)
+    first, second = micro_batches(index, 2)
+    ledger.hand_over([harvested(index, first, "first")])
+    assert ledger.take(second) is None
+    assert ledger.take(first) == [{"meta": {"tag": "first"}}]
+    assert ledger.take(first) is None
+    assert ledger.handed_over == 1
+
+
+def test_an_entry_whose_keys_differ_is_not_handed_over(index: SampleIndex) -> None:
+    ledger = BatchLedger(index)
+    (micro_batch,) = micro_batches(index, 1)
+    record, samples = harvested(index, micro_batch, "other plan")
+    ledger.hand_over([({**record, "keys": list(reversed(record["keys"]))}, samples)])
+    assert ledger.take(micro_batch) is None and ledger.handed_over == 0
+
+
+def test_the_oldest_entries_go_beyond_the_limit_and_a_new_change_clears_them(index: SampleIndex) -> None:
+    ledger = BatchLedger(index, limit=2)
+    batches = micro_batches(index, 4)
+    ledger.hand_over([harvested(index, b, str(i)) for i, b in enumerate(batches[:3])])
+    assert ledger.take(batches[0]) is None  # dropped: over the limit
+    assert ledger.take(batches[1]) == [{"meta": {"tag": "1"}}]
+    ledger.clear_handover()
+    assert ledger.take(batches[2]) is None
+
+
+class FakeStream:
+    """The part of a stream the ledger uses: its lock and `recycle`."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.recycled: list[Ready] = []
+
+    def recycle(self, ready: Ready) -> None:
+        self.recycled.append(ready)
+
+
+def lent_batch(seq: int, *holders: str) -> Ready:
+    return Ready(seq, {}, {}, None, b"", {}, holders=set(holders))  # type: ignore[arg-type]
+
+
+def test_a_lent_batch_is_recycled_when_its_last_holder_releases_it(index: SampleIndex) -> None:
+    ledger, stream = BatchLedger(index), FakeStream()
+    shared, mine = lent_batch(1, "a", "b"), lent_batch(2, "a")
+    ledger.lend(shared, stream)  # type: ignore[arg-type]
+    ledger.lend(mine, stream)  # type: ignore[arg-type]
+    ledger.release("a", {1, 2})
+    assert stream.recycled == [mine] and shared.holders == {"b"} and ledger.lent() == 1
+    ledger.release("b", {99})  # not a batch it holds
+    assert ledger.lent() == 1
+    ledger.release("b", None)  # the client left holding it
+    assert stream.recycled == [mine, shared] and shared.abandoned and not mine.abandoned
+    assert ledger.lent() == 0

@@ -1,0 +1,161 @@
+"""A stream alone, over the demo index: its rank's batches in plan order in shared memory, peers, restarts, release.
+
+The stream gets a `StreamContext` built here from real engine parts (never a service); what it
+reports through the context (batch numbers, audit records, lent batches) is recorded.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omnifeed.loader import MODALITIES, Feed, FeedConfig, PlanConfig
+from omnifeed.loader.decode import make_decoder
+from omnifeed.loader.feed import SharedResources
+from omnifeed.loader.feed._feed import feed_state
+from omnifeed.loader.feed._metrics import FeedMetrics
+from omnifeed.loader.feed._pipeline import FieldReader
+from omnifeed.loader.feed._pools import DecodePools
+from omnifeed.loader.index import SampleIndex
+from omnifeed.loader.plan import Plan
+from omnifeed.loader.service._protocol import RequestError, decode
+from omnifeed.loader.service._stream import Ready, Stream, StreamContext
+
+CONFIG = FeedConfig(plan=PlanConfig(seed=3, batch_size=4))  # the demo index: 48 samples, 12 micro-batches an epoch
+
+
+class Recorded:
+    """What streams told their context."""
+
+    def __init__(self) -> None:
+        self.audited: list[dict[str, Any]] = []
+        self.lent: list[Ready] = []
+
+
+@pytest.fixture
+def parts(index_dir: Path) -> Iterator[tuple[StreamContext, Recorded]]:
+    index = SampleIndex(index_dir)
+    plan = Plan.from_index(index, CONFIG.plan)
+    metrics = FeedMetrics()
+    reader = FieldReader(CONFIG, {m: make_decoder(m, CONFIG.decode) for m in MODALITIES}, metrics, index.fingerprint)
+    pools = DecodePools(CONFIG)
+    seen = Recorded()
+    context = StreamContext(index, CONFIG, SharedResources(plan, reader, metrics, pools), prefetch_batches=2,
+                            next_seq=itertools.count().__next__, record_resize=lambda started: None,
+                            audit=seen.audited.append, lend=lambda ready, stream: seen.lent.append(ready))
+    yield context, seen
+    pools.close()
+    reader.close()
+
+
+def start(context: StreamContext, key: tuple[int, int, int] = (1, 0, 1), group: int = 1) -> Stream:
+    return Stream(context, key, group, feed_state(context.shared.plan, None, world_size=key[0], grad_accum=key[2]))
+
+
+def take(stream: Stream, client: int) -> Ready:
+    return stream.take(client, threading.Event())
+
+
+def attach(stream: Stream, client: int, state: dict[str, Any] | None = None, group: int = 1) -> None:
+    with stream.cond:
+        stream.attach(client, f"token-{client}", client, state or stream.head, since="a1", group=group)
+
+
+def test_a_stream_delivers_its_ranks_micro_batches_in_plan_order_in_shared_memory(parts, index_dir: Path) -> None:
+    context, seen = parts
+    stream = start(context, key=(2, 1, 1))
+    try:
+        attach(stream, 7)
+        taken = [take(stream, 7) for _ in range(3)]
+    finally:
+        stream.close()
+    with Feed(index_dir, CONFIG, world_size=2, rank=1) as feed:
+        expected = [feed.take().keys for _ in range(3)]
+    assert [r.record["keys"] for r in taken] == expected
+    assert [r.after for r in taken[:-1]] == [r.before for r in taken[1:]]  # each starts where the last ended
+    assert len({r.seq for r in taken}) == 3 and all(r.segment.slot >= 0 for r in taken)
+    assert decode(taken[0].frame[4:], lambda code, data: data)["seq"] == taken[0].seq
+    assert [a["keys"] for a in seen.audited] == expected and {a["since"] for a in seen.audited} == {"a1"}
+
+
+def test_peers_of_a_group_get_the_same_batch_audited_once(parts) -> None:
+    context, seen = parts
+    stream = start(context, group=2)
+    try:
+        attach(stream, 1, group=2)
+        attach(stream, 2, group=2)
+        first, second = take(stream, 1), take(stream, 2)
+    finally:
+        stream.close()
+    assert first is second and first.takers == {1, 2} and first.holders == {"token-1", "token-2"}
+    assert len(seen.audited) == 1
+
+
+def test_a_client_at_an_earlier_position_restarts_production_there_and_held_batches_are_lent(parts) -> None:
+    context, seen = parts
+    stream = start(context)
+    try:
+        attach(stream, 1)
+        origin = stream.head
+        first, held = take(stream, 1), take(stream, 1)
+        stream.release("token-1", {first.seq})  # dropped: the stream no longer has the batch at ``origin``
+        attach(stream, 2, state=origin)  # a client from an earlier checkpoint
+        again = take(stream, 2)
+        with stream.cond:
+            stream.cond.wait_for(lambda: stream.restart_to is None, timeout=60)
+    finally:
+        stream.close()
+    assert again.record["keys"] == first.record["keys"] and again.seq != first.seq  # produced again
+    assert [id(r) for r in seen.lent] == [id(held)]  # dropped by the restart while client 1 holds it: lent
+
+
+def test_a_released_batch_is_dropped_and_its_segment_reused(parts) -> None:
+    context, _ = parts
+    stream = start(context)
+    try:
+        attach(stream, 1)
+        first = take(stream, 1)
+        take(stream, 1)  # the client is past the first batch, but holds it
+        assert first in stream.ready
+        stream.release("token-1", {first.seq})
+        assert first not in stream.ready
+        for _ in range(8):
+            stream.release("token-1", {take(stream, 1).seq})
+        count, _ = stream.segments()
+    finally:
+        stream.close()
+    assert count <= 2 + 2 * 1 + 2  # prefetch + 2 × group + 2 slots at most
+    assert stream.one_offs == 0
+
+
+def test_untaken_batches_are_harvested_as_decoded_samples(parts) -> None:
+    context, _ = parts
+    stream = start(context)
+    try:
+        with stream.cond:
+            stream.cond.wait_for(lambda: len(stream.ready) >= 2 or stream.error is not None, timeout=60)
+            harvested = stream.harvest()
+    finally:
+        stream.close()
+    assert len(harvested) >= 2
+    record, samples = harvested[0]
+    assert len(samples) == len(record["keys"]) and all(set(sample) & set(MODALITIES) for sample in samples)
+
+
+def test_close_stops_the_producer_frees_every_segment_and_refuses_takers(parts) -> None:
+    context, _ = parts
+    stream = start(context)
+    attach(stream, 1)
+    take(stream, 1)
+    stream.close()
+    stream.close()  # idempotent
+    assert stream.segments() == (0, 0) and not stream.ready
+    assert not stream._thread.is_alive()  # the producer
+    with pytest.raises(RequestError) as refused:
+        take(stream, 1)
+    assert refused.value.code == "closing"
