@@ -21,7 +21,8 @@ from omnifeed.cache import CacheConfig, NvmeTier, NvmeTierConfig
 from omnifeed.loader import DecodeConfig, Feed, FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
 from omnifeed.loader.feed._pipeline import fields_to_decode
 from omnifeed.loader.feed._field_source import FieldSource
-from omnifeed.tools._cli import _parse_bytes, main
+from omnifeed.tools._cli import main
+from omnifeed.tools._index_commands import parse_bytes as _parse_bytes
 from omnifeed.tools._precache import partition_bytes, partition_span
 from range_http import RangeServer
 
