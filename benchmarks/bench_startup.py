@@ -88,7 +88,7 @@ def build_demo_index(work: Path) -> Path:
 
 def request_metrics(address: str) -> bool:
     """Whether the service at ``address`` answers a metrics request now."""
-    from omnifeed.loader.service._protocol import request_metrics as request
+    from omnifeed.loader.service import request_metrics as request
 
     try:
         request(address, timeout=2.0)

@@ -6,6 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+RAM_TIER_NAME = r"[A-Za-z0-9_.-]{1,64}"  # it names a file in /dev/shm: no "/"
+
 
 class RamTierConfig(BaseModel):
     """The node's shared-memory tier: one segment per ``name``, shared by every process that opens it."""
@@ -13,7 +15,7 @@ class RamTierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(
-        default="default", pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        default="default", pattern=f"^{RAM_TIER_NAME}$",
         description="Segment name; processes that use the same name on a node share one tier.",
     )
     capacity_bytes: int = Field(default=1024 * 2**20, ge=64 * 1024, description="Bytes of entries held, at most.")

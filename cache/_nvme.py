@@ -54,6 +54,8 @@ _MAX_ENTRY_FRACTION = 0.125
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 _SECRET_BYTES = 32
 _FILES = ("data.mdb", "lock.mdb", "sketch.bin", "secret")  # what the tier keeps in its directory
+_DRAFT_PREFIX = ".secret-"  # a secret being written, where the file system has no O_TMPFILE
+_SUB_DATABASES = (b"data", b"queue", b"meta", b"info")
 
 _ENVIRONMENTS: dict[tuple[int, str], tuple[lmdb.Environment, int]] = {}
 _ENVIRONMENTS_LOCK = threading.Lock()
@@ -147,7 +149,7 @@ def _make_secret(path: Path) -> bytes | None:
         try:
             fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=folder)
         except (OSError, AttributeError):  # no O_TMPFILE on this system or file system
-            draft = f".secret-{os.getpid()}-{secrets.token_hex(4)}"
+            draft = f"{_DRAFT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
             fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                          dir_fd=folder)
         try:
@@ -210,6 +212,14 @@ class NvmeTier:
     by others (the message says what to do); other failures to open make it pass-through.
     """
 
+    SUB_DATABASES = _SUB_DATABASES
+    """The LMDB sub-databases of a tier: an environment holding them all is an omnifeed tier."""
+
+    @staticmethod
+    def is_own_file(name: str) -> bool:
+        """Whether a file called ``name`` in a tier's directory is one the tier keeps there (or a secret being written)."""
+        return name in _FILES or name.startswith(_DRAFT_PREFIX)
+
     def __init__(self, config: NvmeTierConfig) -> None:
         self._setup(config)
         self._open(strict=True)
@@ -241,10 +251,7 @@ class NvmeTier:
             self._root = _owned_directory(self.path)  # cached samples are the user's data
             self._secret, made = _cache_secret(self._root)
             self._env = self._environment()
-            self._data = self._env.open_db(b"data")
-            self._queue = self._env.open_db(b"queue")
-            self._meta = self._env.open_db(b"meta")
-            self._info = self._env.open_db(b"info")
+            self._data, self._queue, self._meta, self._info = (self._env.open_db(name) for name in _SUB_DATABASES)
             self._open_sketch()
             if made:
                 self._forget_unkeyed()
@@ -280,7 +287,7 @@ class NvmeTier:
             env, users = _ENVIRONMENTS.get(key, (None, 0))
             if env is None:
                 initial = min(self.max_map, max(2 * self.capacity, 64 * 2**20))
-                env = lmdb.open(str(self._root), map_size=initial, max_dbs=4, max_readers=1024, readahead=False,
+                env = lmdb.open(str(self._root), map_size=initial, max_dbs=len(_SUB_DATABASES), max_readers=1024, readahead=False,
                                 meminit=False, sync=False, metasync=False, mode=0o600)
             _ENVIRONMENTS[key] = (env, users + 1)
             return env

@@ -23,6 +23,7 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import shutil
 import threading
 import time
@@ -32,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from ._config import RamTierConfig
+from ._config import RAM_TIER_NAME, RamTierConfig
 from ._errors import CacheError
 from ._ram_layout import (_H_CAPACITY, _H_DIRTY, _H_ENTRIES, _H_HEAD, _H_MAGIC, _H_READY, _H_RESETS,
                           _H_SKETCH_OPS, _H_SLOTS, _H_TAIL, _H_USED, _H_USED_AT, _H_VERSION, _H_WIDTH, _HEADER_BYTES,
-                          _MAGIC, _VERSION, _segment_name, _segment_path)
+                          _MAGIC, _VERSION, SEGMENT_PREFIX, _segment_name, _segment_path)
 from ._ram_segments import RamSegment, find_segment, list_segments
 from ._sketch import SCAN_LIMIT, FrequencySketch, keeps_victim
 
@@ -97,6 +98,8 @@ def _open_private(path: Path, flags: int, mode: int = 0o600) -> int:
 
 class RamTier:
     """Byte-bounded shared-memory cache of immutable entries keyed by 16-byte digests."""
+
+    SEGMENT_PREFIX = SEGMENT_PREFIX  # a segment's file name: this prefix, then ``RamTierConfig.name``
 
     def __init__(self, config: RamTierConfig) -> None:
         self.config = config
@@ -191,7 +194,12 @@ class RamTier:
 
     @staticmethod
     def segment(name: str) -> RamSegment | None:
-        """The segment called ``name`` (``RamTierConfig.name``); None when there is none, or the file is not one."""
+        """The segment called ``name`` (``RamTierConfig.name``); None when there is none, or the file is not one.
+
+        Raises ValueError for a name no RAM tier can have (it would name a file elsewhere).
+        """
+        if not re.fullmatch(RAM_TIER_NAME, name):
+            raise ValueError(f"{name!r} is not a RAM tier name (letters, digits, _ . -)")
         return find_segment(name)
 
     @staticmethod

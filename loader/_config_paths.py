@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ def resolve_paths(data: dict[str, Any], config_file: Path, paths: Sequence[tuple
     dict is not changed.
     """
     folder = config_file.resolve().parent
-    out = _copy(data)
+    out = copy.deepcopy(data)
     for path in paths:
         parent: Any = out
         for name in path[:-1]:
@@ -35,9 +36,3 @@ def resolve_paths(data: dict[str, Any], config_file: Path, paths: Sequence[tuple
         expanded = Path(value).expanduser()
         parent[path[-1]] = str(expanded if expanded.is_absolute() else folder / expanded)
     return out
-
-
-def _copy(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
-    return value

@@ -54,10 +54,8 @@ def test_every_readme_snippet_runs_as_written(tmp_path: Path) -> None:
     env = {**os.environ, "TMPDIR": str(private), "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
     service = None
     try:
-        # the snippets before the client one build ./index; the service needs it: build it first the README's way
-        first = readme_snippets()[0]
-        (work / "build.py").write_text(first.split("\n")[0] + "\n" + next(
-            line for line in first.splitlines() if line.startswith("build_index(")) + "\n", encoding="utf-8")
+        # the first snippet builds ./index, which the service needs: run it alone first, as written
+        (work / "build.py").write_text(_PRELUDE + readme_snippets()[0], encoding="utf-8")
         subprocess.run([sys.executable, "build.py"], cwd=work, env=env, check=True, timeout=300)
         (work / "service.yaml").write_text(yaml.safe_dump({"index": "index", "feed": _FEED_YAML}), encoding="utf-8")
         service = subprocess.Popen([sys.executable, "-m", "omnifeed.tools", "serve", "--config", "service.yaml"],

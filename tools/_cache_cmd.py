@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import pwd
-import re
 import stat
 import sys
 import time
@@ -21,12 +20,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from omnifeed.cache import RamTier
+from omnifeed.cache import NvmeTier, RamTier
 from omnifeed.loader import OmnifeedError
 
-_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # RamTierConfig.name
-_PREFIX = "omnifeed-ram-"
-_NVME_SUBDBS = {b"data", b"queue", b"meta", b"info"}  # the sub-databases of an NVMe tier (cache/_nvme.py)
 _NVME_DEPTH = 4  # directory levels under --nvme searched for tiers
 
 
@@ -91,10 +87,8 @@ def run_remove(args: argparse.Namespace) -> int:
         if not targets:
             print("no omnifeed RAM tier segments of yours to remove")
     else:
-        name = args.name.removeprefix(_PREFIX)
-        if not _NAME.fullmatch(name):
-            raise ValueError(f"{args.name!r} is not a RAM tier name (letters, digits, _ . -)")
-        segment = RamTier.segment(name)
+        name = args.name.removeprefix(RamTier.SEGMENT_PREFIX)
+        segment = RamTier.segment(name)  # ValueError for a name no tier can have
         if segment is None:
             raise OmnifeedError(f"no omnifeed RAM tier segment named {name!r} (see `omnifeed cache list`); "
                                 "a file of that name that is not one is left alone")
@@ -152,13 +146,13 @@ def _nvme_tier(folder: Path) -> dict[str, Any] | None:
                            "size_bytes": sum(f.stat().st_blocks * 512 for f in files), "entries": None,
                            "bytes_used": None, "last_used": _when(max(f.stat().st_mtime for f in files)), "state": "ready"}
     try:  # lock=False: take no reader slot and no lock; a snapshot is all that is asked for
-        env = lmdb.open(str(folder), readonly=True, lock=False, max_dbs=len(_NVME_SUBDBS), readahead=False)
+        env = lmdb.open(str(folder), readonly=True, lock=False, max_dbs=len(NvmeTier.SUB_DATABASES), readahead=False)
     except lmdb.Error as exc:
         return row | {"state": f"unreadable ({exc})"}
     try:
         with env.begin() as txn:
             names = {bytes(key) for key, _ in txn.cursor()}
-        if not _NVME_SUBDBS <= names:
+        if not set(NvmeTier.SUB_DATABASES) <= names:
             return None  # an LMDB environment, but not an omnifeed tier
         data_db = env.open_db(b"data", create=False)
         with env.begin() as txn:

@@ -34,7 +34,6 @@ from omnifeed.loader.plan import PlanReport
 
 from ._precache import PrecacheJob
 
-__version__ = "0.1.0"
 _STATE_FILE_KEYS = ("plan", "state")
 _FAILURES_SHOWN = 20
 

@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterable
 from pathlib import Path
 
+from omnifeed.cache import NvmeTier
 from omnifeed.loader import OmnifeedError
 
 MARKER = ".omnifeed-output"
-NVME_TIER_FILES = frozenset({"data.mdb", "lock.mdb", "sketch.bin", "secret"})
-"""What an NVMe (LMDB) tier folder holds; anything else there means the folder is not only a cache."""
 
 
 class ForeignDirectoryError(OmnifeedError):
@@ -44,12 +42,11 @@ def prepare_output_dir(path: Path, command: str) -> Path:
     return path
 
 
-def check_cache_dir(path: Path, allowed: Iterable[str] = NVME_TIER_FILES) -> None:
+def check_cache_dir(path: Path) -> None:
     """Refuse an NVMe tier folder that holds anything but a tier's own files (ForeignDirectoryError)."""
     if not path.is_dir():
         return
-    own = set(allowed) | {MARKER}
-    foreign = sorted(p.name for p in path.iterdir() if p.name not in own and not p.name.startswith(".secret-"))
+    foreign = sorted(p.name for p in path.iterdir() if p.name != MARKER and not NvmeTier.is_own_file(p.name))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
         raise ForeignDirectoryError(f"{path} holds files that are not an omnifeed cache ({shown}): give --cache a "

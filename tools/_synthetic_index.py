@@ -9,7 +9,6 @@ minutes to write, not a scan of 10M files, and every sample still decodes.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,11 +19,9 @@ import pyarrow as pa
 import webdataset
 
 from omnifeed.loader import IndexConfig, SampleIndex, build_index
-from omnifeed.loader.index import ROW_SCHEMA
-from omnifeed.loader.index import write_index_from_tables
-from ._demo_data import encode_image
+from omnifeed.loader.index import ROW_SCHEMA, write_index_from_tables
 
-from ._output_dir import ForeignDirectoryError
+from ._demo_data import encode_image
 
 MEMBERS = 8  # distinct samples in the tar; the index cycles over them
 
@@ -77,10 +74,6 @@ def make_index(work: Path, rows: int) -> tuple[Path, dict[str, Any]]:
             and all(Path(shard.url).is_file() for shard in SampleIndex(out).shards)):  # not moved since
         return out, {"cached": True}
     template, shard, size = template_rows(work)
-    if out.exists():
-        if not manifest.is_file():  # an index of ours (stale, or of another size) is replaced; nothing else is
-            raise ForeignDirectoryError(f"{out} exists and holds no omnifeed index: move it away or pick another work folder")
-        shutil.rmtree(out)
     started = time.perf_counter()
     write_index_from_tables(repeated_tables(template, rows), [shard], [size], out, IndexConfig(partitions=16))
     return out, {"cached": False, "build_s": round(time.perf_counter() - started, 2)}

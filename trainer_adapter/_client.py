@@ -12,7 +12,7 @@ finalizer on the batch's mapping), so holding on to batches is safe, only memory
 Tensor-parallel peers map the same pages: an in-place edit of a batch is seen by them.
 
 The client maps what its service hands it, so it first checks that the service is the user's
-own (`omnifeed.loader.service._protocol.connect`: the socket's directory, then ``SO_PEERCRED``); a service
+own (`omnifeed.loader.service.connect`: the socket's directory, then ``SO_PEERCRED``); a service
 of another user is refused at once (`UntrustedServiceError`), never retried. Until the client
 has reached its service once, a path where nothing listens is given up on after a few
 seconds (a wrong path, no service started); the long ``reconnect_timeout_s`` is for a
@@ -74,7 +74,7 @@ class FeedClient:
     ``reconnect_timeout_s``: how long to wait for a service that was reached and went away
     (before the first connection, a path where nothing listens fails after about 5 s).
     ``trusted_uid``: a service running as this other uid is accepted (default: only the
-    user's own); anything else raises `omnifeed.loader.service._protocol.UntrustedServiceError`.
+    user's own); anything else raises `omnifeed.loader.service.UntrustedServiceError`.
     """
 
     def __init__(self, address: str | None = None, *, rank: int = 0, world_size: int = 1, dp_rank: int | None = None,
@@ -463,5 +463,5 @@ def _raise_refusal(sock: socket.socket) -> None:
     except (OSError, EOFError, ProtocolError):
         return
     if reply["op"] == "error":
-        raise ServiceError(str(reply.get("code", "error")), str(reply.get("message", "")))
+        check_reply(reply, "welcome")  # raises it as a ServiceError
 

@@ -21,6 +21,7 @@ integers only). Errors: ``encoding`` (a typed field that is not UTF-8), ``corrup
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any, Literal
@@ -38,6 +39,7 @@ _INTEGER = re.compile(rb"\s*[+-]?[0-9]+\s*")
 _INT64 = (-(2**63), 2**63 - 1)
 
 
+@functools.lru_cache(maxsize=1024)  # a dataset has few field names; asked once per value
 def field_type(field: str) -> Literal["int", "json", "text", "bytes"]:
     """The type a meta field's name says: 'int', 'json', 'text', or 'bytes' (unknown)."""
     name = field.lower()
@@ -56,6 +58,9 @@ def _int_or_str(digits: str) -> int | str:
     return value if _INT64[0] <= value <= _INT64[1] else digits
 
 
+_JSON = json.JSONDecoder(parse_int=_int_or_str)  # once: json.loads with an option builds a decoder per call
+
+
 def _text(data: bytes, key: str, field: str) -> str:
     try:
         return bytes(data).decode("utf-8")
@@ -67,7 +72,7 @@ def _text(data: bytes, key: str, field: str) -> str:
 def _json(data: bytes, key: str, field: str) -> Any:
     text = _text(data, key, field)
     try:
-        return json.loads(text, parse_int=_int_or_str)
+        return _JSON.decode(text)
     except ValueError as exc:  # JSONDecodeError, or a number too long for int()
         raise DecodeError(f"field {field!r} is not valid JSON ({exc})", key, "meta", "corrupt") from exc
 

@@ -10,23 +10,24 @@ from collections.abc import Callable
 from typing import Any
 
 from ._registry import make_decoder
-from ._common import as_numpy
 from ._config import DecodeConfig
 
 Decoder = Callable[[bytes, str], Any]
 _PROCESS_DECODERS: dict[tuple[str, str], Decoder] = {}
 
 
-def decode_in_process(modality: str, data: bytes, key: str, config: DecodeConfig) -> Any:
-    """Decode ``data`` in a worker process with the decoder of ``config``.
+def decode_in_process(modality: str, data: bytes, key: str, config_json: str) -> Any:
+    """Decode ``data`` in a worker process with the decoder of ``config_json`` (a ``DecodeConfig`` as JSON).
 
+    The config travels as its JSON, made once by the caller, and keys the decoder kept here:
+    pickling the model with every task (and dumping it here to make the key) cost ~40 µs per call.
     Values travel back as numpy arrays (what the decoders return), pickled by value through
     the pipe. (A torch tensor would go through torch's multiprocessing reduction, one
     shared-memory segment and file descriptor per tensor — several times slower for one image,
     and a leak risk.)
     """
-    cache_key = (modality, config.model_dump_json())
+    cache_key = (modality, config_json)
     decoder = _PROCESS_DECODERS.get(cache_key)
     if decoder is None:
-        decoder = _PROCESS_DECODERS[cache_key] = make_decoder(modality, config)
-    return as_numpy(decoder(data, key))
+        decoder = _PROCESS_DECODERS[cache_key] = make_decoder(modality, DecodeConfig.model_validate_json(config_json))
+    return decoder(data, key)

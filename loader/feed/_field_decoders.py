@@ -90,7 +90,7 @@ class FieldDecoders:
         self._executors: dict[str, WorkerProcesses] = {}
         context = get_context("forkserver")  # workers fork from a clean server, not from this threaded process
         context.set_forkserver_preload(["omnifeed.loader"])
-        self._config = config
+        self._decode_json = config.decode.model_dump_json()  # once: tasks send this str, not the model
         for modality in MODALITIES:
             processes = config.pool(modality).processes
             if processes and modality not in self.custom:  # a user's decoder may not pickle: it runs in threads
@@ -103,10 +103,9 @@ class FieldDecoders:
         ``where`` names the field's file for messages; ``column`` is how a Parquet cell was stored.
         Raises DecodeError (reason 'user' for a failing user function), WorkerDied, or a storage error.
         """
-        matched = matching_field(location.name, self.fields)
+        matched = matching_field(location.name, self.fields) if self.fields else None
         if matched is not None:
-            function = self.fields[matched]
-            return self._user(function, modality, key, where, data, key, location.name)
+            return self._user(self.fields[matched], modality, key, where, data, key, location.name)
         if modality in self.custom:
             return self._user(self.modalities[modality], modality, key, where, data, key)
         if modality == "meta":
@@ -114,9 +113,9 @@ class FieldDecoders:
         try:
             executor = self._executors.get(modality)
             if executor is not None:
-                return executor.run(decode_in_process, modality, data, key, self._config.decode)
-            decoder = self.modalities.get(modality)
-            return data if decoder is None else as_numpy(decoder(data, key))
+                return executor.run(decode_in_process, modality, data, key, self._decode_json)
+            decoder = self.modalities.get(modality)  # a built-in: numpy already
+            return data if decoder is None else decoder(data, key)
         except (DecodeError, MemoryError):
             raise
         except Exception as exc:
@@ -126,16 +125,16 @@ class FieldDecoders:
 
     @staticmethod
     def _user(function: Callable[..., Any], modality: str, key: str, where: str, *args: Any) -> Any:
-        name = function_name(function)
         try:
             value = as_numpy(function(*args))
         except DecodeError:
             raise
         except Exception as exc:
-            raise user_code_error(f"decoder {name}", exc, key, modality, where) from exc
+            raise user_code_error(f"decoder {function_name(function)}", exc, key, modality, where) from exc
         problem = meta_value_problem(value) if modality == "meta" else holdable(value, modality)
         if problem is not None:
-            raise DecodeError(f"decoder {name} returned a value the batch cannot hold: {problem} ({where})",
+            raise DecodeError(f"decoder {function_name(function)} returned a value the batch cannot hold: "
+                              f"{problem} ({where})",
                               key, modality, "user")
         return value
 

@@ -64,7 +64,7 @@ class FieldSource:
     def decoded_key(self, sample: IndexedSample, location: FieldLocation) -> bytes | None:
         """Cache key of the field's decoded value, or None when decoded values are not cached for it."""
         version = self._versions.get(location.modality) if self._decoded else None
-        if version is not None and matching_field(location.name, self._custom_fields) is not None:
+        if version is not None and self._custom_fields and matching_field(location.name, self._custom_fields):
             version = None
         return None if version is None else entry_key(self.namespace, sample.key, location.name, version)
 

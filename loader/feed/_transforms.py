@@ -34,6 +34,7 @@ import numpy as np
 import xxhash
 from PIL import Image
 
+from .._modalities import MODALITIES
 from .._user_code import import_function
 from ..decode._common import DecodeError, as_numpy, function_name, user_code_error
 from ._transform_config import HorizontalFlip, RandomResizedCrop, TransformsConfig, UserTransform
@@ -135,7 +136,7 @@ class Transforms:
     def __init__(self, config: TransformsConfig, seed: int) -> None:
         self.seed = seed
         self._steps: dict[str, list[tuple[Step, str | None]]] = {}
-        for modality in ("image", "video", "audio", "text"):
+        for modality in MODALITIES:
             built = [self._build(step.settings) for step in config.steps(modality)]
             if built:
                 self._steps[modality] = built
@@ -153,10 +154,6 @@ class Transforms:
             return function(value, key, epoch, rng, **kwargs)
 
         return step, function_name(function)
-
-    def active(self, modality: str) -> bool:
-        """Whether ``modality`` has any step."""
-        return modality in self._steps
 
     def apply(self, modality: str, field: str, key: str, epoch: int, value: Any, where: str) -> Any:
         """``value`` (a decoded field of sample ``key``) through the steps of ``modality``.

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -65,30 +65,43 @@ def build_index(
     if not shards:
         raise SourceError("; ".join(e["error"] for e in errors) if errors else "no sources given")
     index_files_to_replace(out)  # refuse before scanning, not after
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
-    try:
-        report = _build_into(work, shards, config, errors, progress, scanner or scan_all)
-        replace_index(out, work)
-        report.path = out
-        return report
-    finally:
-        if work.exists():
-            shutil.rmtree(work, ignore_errors=True)
+    return _write_replacing(out, lambda work: _build_into(work, shards, config, errors, progress, scanner or scan_all))
 
 
 def write_index_from_tables(
     tables: Iterable[pa.Table], shards: Sequence[ShardSpec], shard_bytes: Sequence[int], out: str | Path,
     config: IndexConfig | None = None,
 ) -> IndexReport:
-    """Write an index from already-scanned row tables (``ROW_SCHEMA``); used by benchmarks and tests."""
+    """Write an index from already-scanned row tables (``ROW_SCHEMA``); used by benchmarks and tests.
+
+    ``out`` is replaced by the same rule as `build_index`'s (only an omnifeed index, else ``OmnifeedError``).
+    """
     config = config or IndexConfig()
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    spill = PartitionSpill(out / ".spill", config.partitions)
-    for table in tables:
-        spill.add(table)
-    return write_index_files(out, spill, list(shards), list(shard_bytes), config, [])
+    index_files_to_replace(out)
+
+    def write(work: Path) -> IndexReport:
+        spill = PartitionSpill(work / ".spill", config.partitions)
+        for table in tables:
+            spill.add(table)
+        return write_index_files(work, spill, list(shards), list(shard_bytes), config, [])
+
+    return _write_replacing(out, write)
+
+
+def _write_replacing(out: Path, write: Callable[[Path], IndexReport]) -> IndexReport:
+    """``write`` an index into a fresh folder beside ``out``, which then replaces ``out`` (`replace_index`); the
+    folder is removed if ``write`` raises."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    try:
+        report = write(work)
+        replace_index(out, work)
+        report.path = out
+        return report
+    finally:
+        if work.exists():
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def _build_into(

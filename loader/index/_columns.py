@@ -127,18 +127,15 @@ class ColumnModalities:
     def __init__(self, schema: pa.Schema, columns: list[str], config: IndexConfig) -> None:
         features = hf_features(schema)
         self.columns = columns
-        self.modality: dict[str, str] = {}
-        self._undecided: set[str] = set()
+        self.modality: dict[str, str] = {}  # the columns decided so far
         for column in columns:
             decided = _by_name_and_type(column, schema.field(column).type, features.get(column), config)
-            if decided is None:
-                self._undecided.add(column)
-            else:
+            if decided is not None:
                 self.modality[column] = decided
 
     def decide(self, cells: Mapping[str, list[bytes | None]]) -> None:
         """Sniff the undecided columns' first non-null ``cells`` (a row group's); still undecided if all null."""
-        for column in [c for c in self.columns if c in self._undecided]:  # in the file's order
+        for column in [c for c in self.columns if c not in self.modality]:  # in the file's order
             found = [v for v in cells[column][: 4 * SNIFF_CELLS] if v is not None][:SNIFF_CELLS]
             if not found:
                 continue
@@ -146,7 +143,6 @@ class ColumnModalities:
             sniffed = votes.most_common(1)[0][0] if votes else "meta"
             # a second column of a medium stays meta (its bytes): the feed decodes one field per modality
             self.modality[column] = "meta" if sniffed in self.modality.values() else sniffed
-            self._undecided.discard(column)
 
     def of(self, column: str) -> str:
         """The column's modality (meta while undecided: its cells are all null so far)."""

@@ -40,7 +40,7 @@ _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLL
 # O_NONBLOCK: opening a FIFO for reading would wait for a writer; the file type is checked once opened
 _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
 _MAX_LINKS = 40  # as the kernel's own limit for one path
-_FIX_LINK = "copy the file into the folder or remove the link, then re-run `omnifeed index`"
+FIX_LINK = "copy the file into the folder or remove the link, then re-run `omnifeed index`"
 
 
 def file_type(mode: int) -> str:
@@ -76,7 +76,7 @@ def open_beneath(root: str, relative: str, where: str, url: str) -> int:
                 continue
             if part == "..":
                 if len(stack) == 1:
-                    raise SourceError(f"{where}: the path leads above the folder; {_FIX_LINK}", url=url)
+                    raise SourceError(f"{where}: the path leads above the folder; {FIX_LINK}", url=url)
                 os.close(stack.pop())
                 names.pop()
                 continue
@@ -104,7 +104,7 @@ def open_beneath(root: str, relative: str, where: str, url: str) -> int:
                     pending.append(part)
                     continue
                 if not inside_root(real_root, real):
-                    raise SourceError(f"{where}: a symbolic link to {real}, outside the folder; {_FIX_LINK}",
+                    raise SourceError(f"{where}: a symbolic link to {real}, outside the folder; {FIX_LINK}",
                                       url=url) from None
                 while len(stack) > 1:
                     os.close(stack.pop())

@@ -16,7 +16,6 @@ which adds the URL, member, sample key, what to do, and the damage reason (``_da
 from __future__ import annotations
 
 import io
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO, TypeVar
 
@@ -25,8 +24,6 @@ from PIL import Image
 
 from .._errors import SourceError, add_context
 from ._records import FieldLocation, SampleLengths
-
-logger = logging.getLogger(__name__)
 
 ProbeInput = bytes | Callable[[], BinaryIO]
 _T = TypeVar("_T")

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-Modality = Literal["text", "image", "video", "audio", "meta"]
 SourceKind = Literal["tar", "parquet", "folder", "arrow"]
 
 

@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import xxhash
 
 from .._errors import SourceError
 from ._probe import probe_lengths
 from ._records import FieldLocation, ScannedSample
+from ._tokenizers import TokenCounter
 
 Items = list[tuple[FieldLocation, bytes]]
 """A sample's fields so far: location and bytes."""
-TokenCounter = Callable[[str], int]
-"""A text length measure (``_tokenizers``)."""
 
 
 def sample_digest(fields: Iterable[tuple[str, bytes]]) -> int:

@@ -26,11 +26,11 @@ from .._errors import SourceError
 from ._damage import Damage
 from ._probe import FieldProbeError
 from ._records import FieldLocation, ShardScan, ShardSpec
-from ._samples import FieldTwice, Items, TokenCounter, add_field, make_sample
+from ._samples import FieldTwice, Items, add_field, make_sample
 from ._confined import OPENAT, escapes_root, file_type, inside_root, open_beneath, read_whole
 from ._sources import RECREATE_SHARD, as_source_error
 from ._table_scan import scan_arrow, scan_parquet
-from ._tokenizers import make_token_counter
+from ._tokenizers import TokenCounter, make_token_counter
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,8 @@ class _TarSamples:
 
     def __init__(self, url: str, config: IndexConfig, count: TokenCounter, scan: ShardScan, damage: Damage) -> None:
         self.url, self.config, self.count, self.scan, self.damage = url, config, count, scan, damage
-        self.key, self.items = "", Items()
+        self.key = ""
+        self.items: Items = []
         self.problem: tuple[str, str, str] | None = None  # (member, reason, error) damaging the sample being read
         self.seen: set[str] = set()
 

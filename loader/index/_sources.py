@@ -43,7 +43,7 @@ from fsspec.implementations.local import LocalFileSystem
 from .._errors import SourceError, add_context
 from ._arrow_files import arrow_schema, read_arrow_cell, saved_dataset_files
 from ._columns import cell_bytes, cell_kind
-from ._confined import OPENAT, _FIX_LINK, escapes_root, link_outside, open_beneath, read_whole
+from ._confined import FIX_LINK, OPENAT, escapes_root, link_outside, open_beneath, read_whole
 from ._records import FieldLocation, ShardSpec, SourceKind
 
 logger = logging.getLogger(__name__)
@@ -269,7 +269,7 @@ def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, r
                 fs, root = url_to_fs(url)
                 target = link_outside(fs, root, member)
                 if target is not None:
-                    raise SourceError(f"{where}: a symbolic link to {target}, outside the folder; {_FIX_LINK}",
+                    raise SourceError(f"{where}: a symbolic link to {target}, outside the folder; {FIX_LINK}",
                                       url=url)
                 data = fs.cat_file(f"{root.rstrip('/')}/{member}")
         elif shard.kind in ("parquet", "arrow"):

@@ -27,7 +27,8 @@ from ._config import IndexConfig
 from ._damage import Damage
 from ._probe import FieldProbeError
 from ._records import FieldLocation, ShardScan, ShardSpec
-from ._samples import Items, TokenCounter, make_sample
+from ._samples import Items, make_sample
+from ._tokenizers import TokenCounter
 
 DEFAULT_KEY_COLUMN = "__key__"
 _EMBED = ("embed the files in the dataset (datasets embeds them in save_to_disk and push_to_hub; before to_parquet: "

@@ -19,9 +19,9 @@ from typing import IO, Any
 
 import numpy as np
 
-from ._cursor import Step
 from .._errors import OmnifeedError
 from ..index._sample_index import SampleIndex
+from ._cursor import Step
 from ._plan import MicroBatch
 
 _EXAMPLES = 5

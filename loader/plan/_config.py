@@ -12,6 +12,7 @@ from omnifeed.bucketing import BucketingConfig
 
 from .._config import StrictModel
 
+
 class PlanConfig(StrictModel):
     """What fixes the global micro-batch sequence (with the index fingerprint and the epoch)."""
 

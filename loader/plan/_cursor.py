@@ -84,21 +84,16 @@ class PlanCursor:
         when it returns True, dealing is abandoned with `DealingStopped` and the cursor is left
         where it was before the step.
         """
-        count = self.world_size * self.grad_accum
-        if stop is None:
-            dealt = tuple(self._next_micro_batch() for _ in range(count))
-        else:
-            saved = (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
-                     self.next_budget, self._current)
-            dealing = []
-            for _ in range(count):
-                if stop():
-                    (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
-                     self.next_budget, self._current) = saved
-                    raise DealingStopped(f"dealing step {self.step} was stopped")
-                dealing.append(self._next_micro_batch())
-            dealt = tuple(dealing)
-        step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, dealt)
+        saved = (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
+                 self.next_budget, self._current)
+        dealt: list[MicroBatch] = []
+        for _ in range(self.world_size * self.grad_accum):
+            if stop is not None and stop():
+                (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
+                 self.next_budget, self._current) = saved
+                raise DealingStopped(f"dealing step {self.step} was stopped")
+            dealt.append(self._next_micro_batch())
+        step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, tuple(dealt))
         self.step += 1
         return step
 

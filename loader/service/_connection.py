@@ -10,7 +10,6 @@ segments its stream gave up (``forget``) so the client unmaps them.
 
 from __future__ import annotations
 
-import array
 import select
 import socket
 import threading
@@ -20,7 +19,7 @@ from typing import Any
 
 import msgpack
 
-from ._protocol import MAX_REQUEST_BYTES, ProtocolError, RequestError, decode, encode, receive, send
+from ._protocol import MAX_REQUEST_BYTES, ProtocolError, RequestError, decode, encode, receive, send, send_frame
 from ._stream import Ready, Stream
 
 
@@ -87,12 +86,7 @@ class Connection:
         if gone:  # segments the stream gave up (its peer group shrank): the client lets go of its mappings
             self.known -= gone
             frame = _forgetting(frame, gone)
-        if fds:
-            sent = self.sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())])
-            if sent < len(frame):
-                self.sock.sendall(memoryview(frame)[sent:])
-        else:
-            self.sock.sendall(frame)
+        send_frame(self.sock, frame, fds)
 
     def close(self) -> None:
         """Close the socket (idempotent)."""

@@ -87,10 +87,7 @@ class Handshake:
             raise RequestError("topology", f"world size {world} at data-parallel size {dp_world} makes groups of {group} "
                                f"peers that share a stream, but this service serves {self.config.max_clients} "
                                "connections at most (max_clients in the service config)")
-        if dp_world * accum > self.max_step:
-            raise RequestError("topology", f"a step at data-parallel size {dp_world} with grad_accum {accum} deals "
-                               f"{dp_world * accum} micro-batches, but this service deals at most {self.max_step} "
-                               f"per step ({self._max_step_why}); lower the data-parallel size or the accumulation")
+        self._check_step(dp_world, accum)
         state = self._state(message.get("state"), dp_world, accum)
         token = message.get("token", default_token)
         if not isinstance(token, str) or not 0 < len(token) <= 64:
@@ -108,11 +105,15 @@ class Handshake:
         """Micro-batches a data-parallel rank at ``state`` receives until its epoch is delivered (``len(FeedClient)``)."""
         dp_world = _int(message, "dp_world_size", 1, MAX_WORLD)
         accum = _int(message, "grad_accum", 1, MAX_GRAD_ACCUM)
-        if dp_world * accum > self.max_step:
-            raise RequestError("topology", f"a step of {dp_world * accum} micro-batches is more than this service deals "
-                               f"({self.max_step})")
+        self._check_step(dp_world, accum)
         state = self._state(message.get("state"), dp_world, accum)
         return steps_left_in_epoch(self.plan, state["plan"]) * accum - int(state["accum_done"])
+
+    def _check_step(self, dp_world: int, accum: int) -> None:
+        if dp_world * accum > self.max_step:
+            raise RequestError("topology", f"a step at data-parallel size {dp_world} with grad_accum {accum} deals "
+                               f"{dp_world * accum} micro-batches, but this service deals at most {self.max_step} "
+                               f"per step ({self._max_step_why}); lower the data-parallel size or the accumulation")
 
     def _state(self, state: Any, dp_world: int, accum: int) -> dict[str, Any]:
         try:

@@ -107,11 +107,9 @@ def reap_stale_socket(path: Path) -> None:
     raise OmnifeedError(f"an omnifeed service is already listening at {path}; stop it or choose another socket")
 
 
-def remove_own_socket(path: Path, bound: tuple[int, int, int] | None) -> None:
+def remove_own_socket(path: Path, bound: tuple[int, int, int]) -> None:
     """Unlink the socket at ``path`` if it is the file ``bound`` (device, inode, change time) and still a socket; a
-    file put there since is left alone, and so is anything when nothing was bound (None: a refused start)."""
-    if bound is None:
-        return
+    file put there since is left alone."""
     try:
         found = os.lstat(path)
     except FileNotFoundError:

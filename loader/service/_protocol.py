@@ -79,7 +79,11 @@ def encode(message: dict[str, Any]) -> bytes:
 
 def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
     """Send one message (and ``fds`` with its first bytes)."""
-    frame = encode(message)
+    send_frame(sock, encode(message), fds)
+
+
+def send_frame(sock: socket.socket, frame: bytes, fds: Sequence[int] = ()) -> None:
+    """Send one encoded frame (and ``fds`` with its first bytes)."""
     if not fds:
         sock.sendall(frame)
         return

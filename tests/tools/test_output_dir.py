@@ -67,4 +67,5 @@ def test_precache_refuses_a_cache_folder_holding_other_files(tmp_path: Path) -> 
     tier.mkdir()
     (tier / "data.mdb").write_bytes(b"")
     (tier / "lock.mdb").write_bytes(b"")
+    (tier / ".secret-123-0a1b2c3d").write_bytes(b"")  # a secret being written (no O_TMPFILE)
     check_cache_dir(tier)  # an earlier omnifeed cache: fine

@@ -17,7 +17,8 @@ from labelled_data import index_of, write_labelled_tar
 from omnifeed.cache import CacheConfig, NvmeTierConfig
 from omnifeed.loader import ConfigError, Feed, FeedConfig, PlanConfig, SampleIndex
 from omnifeed.loader.feed import RandomResizedCrop, TransformsConfig, transform_generators
-from omnifeed.loader.feed._transforms import crop_box, horizontal_flip, random_resized_crop
+from omnifeed.loader.feed import _transforms
+from omnifeed.loader.feed._transforms import Transforms, crop_box, horizontal_flip, random_resized_crop
 from omnifeed.loader.feed._transform_config import HorizontalFlip
 
 AUGMENT = {"image": [{"random_resized_crop": {"size": 16}}, {"horizontal_flip": {"p": 0.5}}]}
@@ -73,6 +74,20 @@ def test_generators_are_a_pure_function_of_seed_epoch_key_and_field() -> None:
     assert len({tuple(draw(*a)) for a in [(7, 0, "k", "jpg", 2), (7, 1, "k", "jpg", 2), (8, 0, "k", "jpg", 2),
                                           (7, 0, "j", "jpg", 2), (7, 0, "k", "png", 2)]}) == 5
     assert draw(7, 0, "k", "jpg", 3)[:2] == draw(7, 0, "k", "jpg", 2), "a step added later leaves earlier draws alone"
+
+
+def test_a_modality_without_steps_draws_no_generators(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-field path when no step is configured: the value as it is, no SeedSequence (the hot path's promise)."""
+    def no_seeding(*args: Any) -> list[np.random.Generator]:
+        raise AssertionError("generators seeded for a modality without steps")
+
+    monkeypatch.setattr(_transforms, "transform_generators", no_seeding)
+    value = np.zeros((3, 4, 4), dtype=np.uint8)
+    transforms = Transforms(TransformsConfig.model_validate({"video": AUGMENT["image"]}), seed=7)
+    for modality in ("image", "audio", "text", "meta"):
+        assert transforms.apply(modality, "f", "k", 0, value, "where") is value
+    with pytest.raises(AssertionError, match="without steps"):  # the patch is live: video has steps
+        transforms.apply("video", "f", "k", 0, value[None], "where")
 
 
 def test_each_epoch_crops_anew_and_a_resume_repeats_the_same_batches(index: SampleIndex) -> None:

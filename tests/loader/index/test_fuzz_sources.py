@@ -75,31 +75,6 @@ def small_tar(demo_shards: list[Path]) -> bytes:
     return min(demo_shards, key=lambda p: p.stat().st_size).read_bytes()
 
 
-@pytest.mark.timeout(120)
-@FUZZ
-@given(flips=FLIPS, keep=KEEP)
-def test_a_damaged_tar_shard_scans_or_raises_a_source_error(work: Path, small_tar: bytes,
-                                                            flips: list[tuple[float, int]], keep: float) -> None:
-    path = work / "damaged.tar"
-    path.write_bytes(_damage(small_tar, flips, keep))
-    scan = _scan_or_source_error(ShardSpec(str(path), "tar"))
-    if scan is not None:
-        _read_and_decode_everything(scan)
-
-
-@pytest.mark.timeout(120)
-@FUZZ
-@given(flips=FLIPS, keep=KEEP)
-def test_a_shard_damaged_after_indexing_reads_back_or_raises_a_source_error(
-    work: Path, small_tar: bytes, flips: list[tuple[float, int]], keep: float
-) -> None:
-    path = work / "indexed.tar"
-    path.write_bytes(small_tar)
-    scan = scan_shard(ShardSpec(str(path), "tar"), CONFIG)
-    path.write_bytes(_damage(small_tar, flips, keep))
-    _read_and_decode_everything(scan)
-
-
 def _small_tar(members: list[tuple[str, bytes]]) -> bytes:
     buffer = io.BytesIO()
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.GNU_FORMAT) as tar:
@@ -209,28 +184,38 @@ def small_parquet(demo_parquet: Path, work: Path) -> bytes:
     return path.read_bytes()
 
 
+# -- a tar shard or a Parquet file, damaged before or after indexing ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def seeds(small_tar: bytes, small_parquet: bytes) -> dict[str, bytes]:
+    return {"tar": small_tar, "parquet": small_parquet}
+
+
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["tar", "parquet"])
 @FUZZ
 @given(flips=FLIPS, keep=KEEP)
-def test_a_damaged_parquet_file_scans_or_raises_a_source_error(work: Path, small_parquet: bytes,
-                                                               flips: list[tuple[float, int]], keep: float) -> None:
-    path = work / "damaged.parquet"
-    path.write_bytes(_damage(small_parquet, flips, keep))
-    scan = _scan_or_source_error(ShardSpec(str(path), "parquet"))
+def test_a_damaged_shard_scans_or_raises_a_source_error(work: Path, seeds: dict[str, bytes], kind: str,
+                                                        flips: list[tuple[float, int]], keep: float) -> None:
+    path = work / f"damaged.{kind}"
+    path.write_bytes(_damage(seeds[kind], flips, keep))
+    scan = _scan_or_source_error(ShardSpec(str(path), kind))
     if scan is not None:
         _read_and_decode_everything(scan)
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["tar", "parquet"])
 @FUZZ
 @given(flips=FLIPS, keep=KEEP)
-def test_a_parquet_file_damaged_after_indexing_reads_back_or_raises_a_source_error(
-    work: Path, small_parquet: bytes, flips: list[tuple[float, int]], keep: float
+def test_a_shard_damaged_after_indexing_reads_back_or_raises_a_source_error(
+    work: Path, seeds: dict[str, bytes], kind: str, flips: list[tuple[float, int]], keep: float
 ) -> None:
-    path = work / "indexed.parquet"
-    path.write_bytes(small_parquet)
-    scan = scan_shard(ShardSpec(str(path), "parquet"), CONFIG)
-    path.write_bytes(_damage(small_parquet, flips, keep))
+    path = work / f"indexed.{kind}"
+    path.write_bytes(seeds[kind])
+    scan = scan_shard(ShardSpec(str(path), kind), CONFIG)
+    path.write_bytes(_damage(seeds[kind], flips, keep))
     _read_and_decode_everything(scan)
 
 

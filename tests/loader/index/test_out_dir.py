@@ -109,3 +109,15 @@ def test_a_build_that_fails_leaves_the_old_index_and_no_temporary_folder(tmp_pat
     with pytest.raises(SourceError, match="no sample could be indexed"):
         build_index([str(tmp_path / "broken.tar")], out, CONFIG, progress=False)
     assert SampleIndex(out).fingerprint == before and leftovers(tmp_path) == []
+
+
+def test_writing_an_index_from_tables_follows_the_same_rule(tmp_path: Path) -> None:
+    from omnifeed.loader.index import ROW_SCHEMA, write_index_from_tables
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("keep me", encoding="utf-8")
+    with pytest.raises(OmnifeedError):
+        write_index_from_tables([ROW_SCHEMA.empty_table()], [], [], folder)
+    assert (folder / "notes.txt").read_text(encoding="utf-8") == "keep me"
+    assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from omnifeed.loader import OmnifeedError
-from omnifeed.loader.service._listener import Listener, private_directory, reap_stale_socket, remove_own_socket
+from omnifeed.loader.service._listener import Listener, private_directory, reap_stale_socket
 
 
 @pytest.fixture
@@ -79,10 +79,13 @@ def test_the_listener_binds_0600_accepts_and_removes_only_its_own_socket(folder:
     with pytest.raises(OSError):
         listener.accept()
     path.rename(folder / "moved.sock")  # (kept: a file made now must not reuse its inode number)
-    path.write_text("another service's")  # put there since: left alone
+    with Listening(path):  # another service's socket, put there since: left alone
+        listener.remove()
+        assert stat.S_ISSOCK(os.lstat(path).st_mode)
+    path.unlink()
+    path.write_text("not a socket")  # nor is anything that is not a socket removed
     listener.remove()
-    assert path.read_text() == "another service's"
-    remove_own_socket(path, None)  # nothing bound (a refused start): nothing to remove
+    assert path.read_text() == "not a socket"
 
 
 def test_stop_removes_the_socket_it_bound(folder: Path) -> None:
