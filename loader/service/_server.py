@@ -244,7 +244,10 @@ class FeedService:
         with self._lock:
             connections = list(self._connections.values())
         for other in connections:
-            if other.attempt is not None and not (other.said_bye or other.timed_out) and peer_gone(other.sock):
+            # peer_gone first, the flags after: a client that says bye (a resize) closes only once the reply to its
+            # bye is sent, which is after said_bye is set; read the other way round, a bye landing between the two
+            # reads looks like a crash, and a peer joining later opens a new attempt that rolls this one back
+            if other.attempt is not None and peer_gone(other.sock) and not (other.said_bye or other.timed_out):
                 self.attempts.crashed(other.attempt)
 
     def _disconnect(self, connection: Connection) -> None:

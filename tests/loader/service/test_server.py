@@ -196,3 +196,31 @@ def test_a_client_whose_process_died_is_seen_gone_before_its_thread_reads_the_en
         assert peer_gone(ours)
     finally:
         ours.close()
+
+
+def test_a_client_that_says_bye_while_a_peer_says_hello_is_not_taken_for_a_crash(
+        index_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resizing rank's bye can complete while a peer's hello looks for gone clients: not a crash."""
+    from omnifeed.loader.service import _server
+    from omnifeed.loader.service._connection import Connection
+
+    service = FeedService(ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+                                        socket=str(short_socket_dir() / "feed.sock")))
+    ours, theirs = socket.socketpair()
+    try:
+        attempt = service.attempts.join(None, "checkpoint-digest", {"plan": {"epoch": 0, "step": 0,
+                                        "topology_version": 0}, "accum_done": 0})
+        leaving = Connection(1, ours, attempt=attempt)
+        service._connections[1] = leaving
+
+        def bye_lands_now(sock: socket.socket) -> bool:  # the bye is answered, then the client closes its end
+            leaving.said_bye = True
+            return True
+
+        monkeypatch.setattr(_server, "peer_gone", bye_lands_now)
+        service._record_gone_clients()
+        assert service.attempts.join(None, "checkpoint-digest", {}) == attempt  # still the same attempt
+    finally:
+        ours.close()
+        theirs.close()
+        service.stop()
