@@ -16,6 +16,7 @@ consumer holds on to many batches) a batch falls back to torch's own path.
 from __future__ import annotations
 
 import io
+import multiprocessing.heap
 import pickle
 import weakref
 from multiprocessing.reduction import ForkingPickler
@@ -73,6 +74,25 @@ class _SlotPickler(ForkingPickler):
         if isinstance(obj, torch.Tensor):
             return ("tensor", offset, nbytes, obj.dtype, tuple(obj.shape))
         return ("ndarray", offset, nbytes, obj.dtype.str if not obj.dtype.fields else obj.dtype, obj.shape)
+
+
+class SlotFlags:
+    """One byte per slot (1 while the slot is in use), in memory the workers share, outside multiprocessing's heap.
+
+    ``RawArray`` allocates from one heap per process whose bookkeeping an exception raised
+    asynchronously inside it (Ctrl-C, torch's SIGCHLD handler naming a dead worker) leaves broken
+    for every later loader of the process ("pop from empty list"); a mapping of its own has
+    nothing to break. It crosses to spawned workers as a file descriptor, as a RawArray does.
+    """
+
+    def __init__(self, count: int) -> None:
+        self._arena = multiprocessing.heap.Arena(max(count, 1))
+
+    def __getitem__(self, index: int) -> int:
+        return self._arena.buffer[index]
+
+    def __setitem__(self, index: int, value: int) -> None:
+        self._arena.buffer[index] = value
 
 
 class SlotWriter:

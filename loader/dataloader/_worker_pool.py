@@ -22,7 +22,7 @@ import torch.multiprocessing
 import torch.utils.data._utils as torch_data_utils
 from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
 
-from ._handoff import SlotReader, slots_per_worker
+from ._handoff import SlotFlags, SlotReader, slots_per_worker
 from ._iterators import LoaderIterator, LoaderMetrics
 from ._settings import LoaderSettings
 from ._state import EpochProgress
@@ -48,7 +48,7 @@ class WorkerPoolIterator(LoaderIterator):
         self._persistent = settings.persistent_workers
         context = settings.multiprocessing_context or torch.multiprocessing
         per_worker = slots_per_worker(settings.prefetch_factor)
-        flags = context.RawArray("b", self._num_workers * per_worker)
+        flags = SlotFlags(self._num_workers * per_worker)
         self._reader = SlotReader(flags, per_worker)
         self._replies = context.Queue()
         self._done = context.Event()

@@ -8,6 +8,8 @@ import pickle
 import socket
 import stat
 import struct
+import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -196,6 +198,47 @@ def test_a_client_whose_process_died_is_seen_gone_before_its_thread_reads_the_en
         assert peer_gone(ours)
     finally:
         ours.close()
+
+
+def test_a_live_client_whose_requests_its_thread_reads_meanwhile_is_never_seen_gone() -> None:
+    """The look for gone clients races the connection's own thread reading requests: a live client stays alive."""
+    import socket as sockets
+
+    from omnifeed.loader.service._server import peer_gone
+
+    ours, theirs = sockets.socketpair()
+    ours.settimeout(0.005)  # short: a look that waited for a request its thread had read would time out
+    requests = 300
+
+    def client() -> None:  # a request, its reply, a pause (a trainer step), the next request
+        for _ in range(requests):
+            theirs.sendall(b"x")
+            theirs.recv(1)
+            time.sleep(0.01)
+
+    def connection_thread() -> None:
+        for _ in range(requests):
+            while True:
+                try:
+                    ours.recv(1)
+                    break
+                except TimeoutError:
+                    pass
+            ours.sendall(b"y")
+
+    threads = [threading.Thread(target=client), threading.Thread(target=connection_thread)]
+    for thread in threads:
+        thread.start()
+    seen_gone = 0
+    try:
+        while threads[0].is_alive():
+            seen_gone += peer_gone(ours)
+    finally:
+        for thread in threads:
+            thread.join()
+        ours.close()
+        theirs.close()
+    assert seen_gone == 0
 
 
 def test_a_client_that_says_bye_while_a_peer_says_hello_is_not_taken_for_a_crash(
