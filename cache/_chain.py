@@ -21,6 +21,7 @@ class CacheTier(Protocol):
     def get(self, key: bytes) -> bytes | None: ...
     def put(self, key: bytes, value: bytes, *, accessed: bool = True) -> bool: ...
     def contains(self, key: bytes) -> bool: ...
+    def discard(self, key: bytes) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
 
@@ -67,6 +68,11 @@ class CacheChain:
         """Offer an entry to every tier (each applies its own bound and admission)."""
         for tier in self.tiers.values():
             tier.put(key, value, accessed=accessed)
+
+    def discard(self, key: bytes) -> None:
+        """Forget an entry in every tier (a reader found it unusable: the next ``store`` replaces it)."""
+        for tier in self.tiers.values():
+            tier.discard(key)
 
     def stats(self) -> dict[str, Any]:
         """Per tier: hits, misses, bytes, occupancy; and the origin's reads and latency."""

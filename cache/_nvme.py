@@ -533,6 +533,10 @@ class NvmeTier:
         counts["evicted"] += 1
         return size, next_seq
 
+    def discard(self, key: bytes) -> None:
+        """Forget an entry a reader found unusable (a later ``put`` stores anew)."""
+        self._drop(key)
+
     def _drop(self, key: bytes) -> None:
         if self.degraded is not None:
             return

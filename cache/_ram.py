@@ -134,7 +134,7 @@ class RamTier:
                  self.capacity, int(self._header[_H_ENTRIES]), config.name)
         self._max_entry = int(self.capacity * config.max_entry_fraction)
         self._stats = {"hits": 0, "misses": 0, "bytes_hit": 0, "puts": 0, "bytes_put": 0, "rejected": 0,
-                       "evicted": 0, "reinserted": 0, "too_large": 0}
+                       "evicted": 0, "reinserted": 0, "too_large": 0, "discarded": 0}
         self._finalizer = weakref.finalize(self, RamTier._release, self._segment, self._lock_fd)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -331,6 +331,15 @@ class RamTier:
             self._stats["bytes_put"] += len(value)
         return True
 
+    def discard(self, key: bytes) -> None:
+        """Forget an entry a reader found unusable (a later ``put`` stores anew); the ring reclaims its bytes in turn."""
+        k0, k1 = _split(key)
+        with self._locked():
+            i = self._find(k0, k1)
+            if i >= 0:
+                self._remove_slot(i)
+                self._stats["discarded"] += 1
+
     def stats(self) -> dict[str, Any]:
         """This process's hits/misses/bytes, and the tier's occupancy (node-wide)."""
         header = self._header
@@ -404,13 +413,18 @@ class RamTier:
         fields = self._entry_header(at)
         return bytes(self._arena[at:at + 16]), int(fields[4])
 
+    def _live(self, key: bytes, at: int) -> int:
+        """The slot of the entry at ``at``, or -1 when it was discarded (its key gone, or held anew elsewhere)."""
+        i = self._find(*_split(key))
+        return i if i >= 0 and int(self._slots[i]["offset"]) == at else -1
+
     def _victims_kept(self, newcomer: int) -> int | None:
         """How many head entries outrank the newcomer before one it displaces; None if the first SCAN_LIMIT all do."""
         at = int(self._header[_H_HEAD])
         for n in range(min(SCAN_LIMIT, int(self._header[_H_ENTRIES]))):
             at = self._skip_wrap(at)
             key, length = self._entry_at(at)
-            if not keeps_victim(self._sketch.estimate(key), newcomer):
+            if self._live(key, at) < 0 or not keeps_victim(self._sketch.estimate(key), newcomer):
                 return n
             at += _align(_ENTRY_HEADER + length)
         return None
@@ -424,7 +438,9 @@ class RamTier:
             header[_H_USED] -= cap - head
         key, length = self._entry_at(at)
         size = _align(_ENTRY_HEADER + length)
-        self._remove_slot(self._find(*_split(key)))
+        slot = self._live(key, at)
+        if slot >= 0:  # a discarded entry has no slot left to remove (or its key's slot is a newer entry's)
+            self._remove_slot(slot)
         header[_H_HEAD] = (at + size) % cap
         header[_H_USED] -= size
         header[_H_ENTRIES] -= 1

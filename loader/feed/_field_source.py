@@ -84,6 +84,7 @@ class FieldSource:
                 except DecodedEntryError as exc:
                     log.warning("cached decoded entry of %r field %r is unreadable (%s): decoding again",
                                 sample.key, location.name, exc)
+                    self.chain.discard(key)  # so the value decoded again replaces it
             return "raw", self.origin(sample, location)
         if not self.chain.tiers:
             return "raw", self.origin(sample, location)

@@ -91,6 +91,17 @@ def test_a_corrupt_entry_is_detected_dropped_and_refetched(tmp_path: Path, caplo
         assert chain.get(key(1), fetch) == value(1) and len(origin_reads) == 2  # the refetched copy is cached
 
 
+def test_a_discarded_entry_is_stored_anew_by_the_next_put(tmp_path: Path) -> None:
+    """A reader that found an entry unusable (a decoded entry it cannot parse) discards it: the next put replaces it."""
+    with NvmeTier(NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=8 * 2**20)) as tier:
+        assert tier.put(key(1), b"unusable")
+        assert tier.put(key(1), value(1)) and tier.get(key(1)) == b"unusable"  # a put keeps what is held
+        tier.discard(key(1))
+        assert tier.get(key(1)) is None and tier.stats()["entries"] == 0
+        assert tier.put(key(1), value(1)) and tier.get(key(1)) == value(1)
+        tier.discard(key(2))  # nothing held: nothing happens
+
+
 def test_the_map_grows_when_it_fills(tmp_path: Path) -> None:
     with NvmeTier(NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=64 * 2**20)) as tier:
         assert tier.put(key(0), value(0))

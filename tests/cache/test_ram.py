@@ -71,6 +71,29 @@ def test_byte_budget_holds_and_entries_are_never_wrong_under_churn(ops: list[tup
         tier.unlink()
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "get", "discard"]), st.integers(0, 40), st.integers(0, 12_000)),
+                min_size=1, max_size=300))
+def test_a_discarded_entry_never_comes_back_and_its_replacement_outlives_it(ops: list[tuple[str, int, int]]) -> None:
+    """A reader that finds an entry unusable discards it; the value stored next is what later reads get."""
+    config = RamTierConfig(name=f"d-{uuid.uuid4().hex[:12]}", capacity_bytes=64 * 1024, max_entry_fraction=0.5)
+    tier = RamTier(config)
+    version: dict[int, int] = {}
+    try:
+        for op, i, size in ops:
+            current = value(i * 1000 + version.get(i, 0), size % 5000 + 8)
+            if op == "put":
+                tier.put(key(i), current)
+            elif op == "discard":
+                tier.discard(key(i))
+                version[i] = version.get(i, 0) + 1  # the next put stores another value
+            got = tier.get(key(i))
+            assert got is None or got[:4] == current[:4], (op, i)
+            assert tier.stats()["bytes_used"] <= config.capacity_bytes
+    finally:
+        tier.unlink()
+
+
 def test_training_epochs_keep_a_stable_resident_set(ram_config: RamTierConfig) -> None:
     """Every sample once per epoch in a new order: the resident set must not churn (LRU would hit ~3 %)."""
     n, size = 200, 4096

@@ -123,7 +123,6 @@ def test_an_unreadable_decoded_entry_is_read_again_from_the_origin(
         assert f"cached decoded entry of {sample.key!r} field {location.name!r} is unreadable" in caplog.text
 
 
-@pytest.mark.xfail(strict=True, reason="tiers keep an existing key on put, so remember() cannot replace it (reported)")
 def test_an_unreadable_decoded_entry_is_replaced_by_the_value_decoded_again(image: Field, tmp_path: Path, ram_name: str) -> None:
     fingerprint, sample, location = image
     with closing(FieldSource(tiers(tmp_path, ram_name, "decoded"), fingerprint, DecodeConfig())) as source:
