@@ -4,7 +4,8 @@ Map-style: ``dataset.__getitems__(indices)`` when the dataset has it, else ``dat
 index (or ``dataset[index]`` without batching). Iterable: the next ``batch_size`` items of the
 dataset's iterator; a short last batch is kept unless ``drop_last``; ``StopIteration`` once exhausted.
 The state after a batch is ``{"dataset": dataset.state_dict(), "iterator": iterator.state_dict()}``
-for the parts that have one (torchdata's ``Stateful`` protocol), or None when neither has.
+for the parts that have one (torchdata's ``Stateful`` protocol), or None when neither has; a dataset that
+is its own iterator is stored once, as the iterator (torchdata does the same).
 """
 
 from __future__ import annotations
@@ -21,12 +22,20 @@ from ._sampling import has_state
 _TORCH_COLLATES = (default_collate, default_convert)
 
 
+def restore_ended_iterator(dataset: Any, state: Mapping[str, Any]) -> None:
+    """Restore the state the last epoch's iterator ended in, into an iterator then dropped: what torchdata does with a
+    state saved at an epoch's end before the next epoch's ``iter(dataset)``, so side effects (e.g. RNG state) carry."""
+    ended = iter(dataset)
+    if has_state(ended):
+        ended.load_state_dict(copy.deepcopy(dict(state)))  # type: ignore[attr-defined]
+
+
 class BatchFetcher:
     """Fetches and collates batches of one dataset replica (in a worker or the main process)."""
 
     def __init__(self, dataset: Any, *, iterable: bool, auto_collation: bool, collate_fn: Callable[[Any], Any],
                  drop_last: bool, state: Mapping[str, Any] | None = None, ended: bool = False,
-                 in_worker: bool = False) -> None:
+                 in_worker: bool = False, ended_iterator: Mapping[str, Any] | None = None) -> None:
         self.dataset = dataset
         self.iterable = iterable
         self.auto_collation = auto_collation
@@ -36,17 +45,20 @@ class BatchFetcher:
         # torch's collates put tensors in new shared memory inside a worker; the hand-off copies them
         # into reused segments instead, so let them allocate ordinary memory there.
         self._plain_collate = in_worker and any(collate_fn is c for c in _TORCH_COLLATES)
+        # torchdata's order: the dataset's state, then ``iter(dataset)``, then the iterator's state (which is the
+        # dataset's own when ``iter`` returns the dataset: it may hold no state before ``iter``)
         if state is not None and state.get("dataset") is not None:
             dataset.load_state_dict(copy.deepcopy(state["dataset"]))
-        # the state the epoch starts from (before ``iter(dataset)``), kept by the main process; None without one
-        self.initial_state = ({"dataset": dataset.state_dict(), "iterator": None}
-                              if has_state(dataset) and not in_worker else None)
+        if iterable and ended_iterator is not None:
+            restore_ended_iterator(dataset, ended_iterator)
         self._iterator: Iterator[Any] | None = None
         if iterable:
             self._iterator = iter(dataset)
             if state is not None and state.get("iterator") is not None and has_state(self._iterator):
                 self._iterator.load_state_dict(copy.deepcopy(state["iterator"]))  # type: ignore[union-attr]
-        self.stateful = has_state(dataset) or (self._iterator is not dataset and has_state(self._iterator))
+        self.stateful = has_state(dataset) or has_state(self._iterator)
+        # the state the epoch starts from, kept by the main process; None without one
+        self.initial_state = self.state() if not in_worker else None
 
     def fetch(self, index: Any) -> Any:
         """The collated batch of ``index``; ``StopIteration`` when an iterable dataset is exhausted."""
@@ -86,8 +98,10 @@ class BatchFetcher:
         if not self.stateful:
             return None
         iterator = self._iterator
-        return {
-            "dataset": self.dataset.state_dict() if has_state(self.dataset) else None,
-            "iterator": iterator.state_dict() if iterator is not None and iterator is not self.dataset  # type: ignore[attr-defined]
-            and has_state(iterator) else None,
-        }
+        own_iterator = iterator is self.dataset  # its state is stored once, as the iterator's
+        # a copy: a state_dict() may return the dataset's live objects, which later batches change before the
+        # reply carrying it is pickled (a worker's queue pickles in a background thread)
+        return copy.deepcopy({
+            "dataset": self.dataset.state_dict() if has_state(self.dataset) and not own_iterator else None,
+            "iterator": iterator.state_dict() if iterator is not None and has_state(iterator) else None,  # type: ignore[attr-defined]
+        })

@@ -10,6 +10,7 @@ reads the progress back from ``iterator.progress`` (and ``restart()`` for persis
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import warnings
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory
 
-from ._fetch import BatchFetcher
+from ._fetch import BatchFetcher, restore_ended_iterator
 from ._sampling import IndexStream
 from ._settings import LoaderSettings
 from ._state import EpochProgress
@@ -97,23 +98,31 @@ class LoaderIterator:
         # persistent workers keep their base seed across epochs: torch draws none for a later epoch
         kept = resume.base_seed if resume is not None and resume.status == "finished" and settings.persistent_workers \
             else None
+        self._every = settings.snapshot_every_n_steps
         self.progress = self._begin(resume, kept)
 
     def _begin(self, resume: EpochProgress | None, base_seed: int | None) -> EpochProgress:
         """Start an epoch: fresh (drawing the base seed unless given) or where ``resume`` left off."""
+        progress = self._begin_epoch(resume, base_seed)
+        progress.every = self._every
+        return progress
+
+    def _begin_epoch(self, resume: EpochProgress | None, base_seed: int | None) -> EpochProgress:
         self._skip_batches = 0
+        self.ended_iterators: list[Any] = []  # per worker: the iterator state a loaded epoch ended in
         workers = self._num_workers
         if resume is not None and resume.status == "running":
-            refetch = self._iterable and resume.yielded > 0 and all(s is None for s in resume.datasets)
+            refetch = self._iterable and resume.yielded + resume.since_snapshot > 0 and all(s is None for s in resume.datasets)
             if not refetch:
                 self._stream.begin(consumed=resume.consumed, replay=resume.replay, snapshot=resume.snapshot)
                 resume.replay = self._stream.replay
+                self._skip_batches, resume.since_snapshot = resume.since_snapshot, 0  # yielded after the snapshot
                 return resume
             # an iterable dataset without state: replay the epoch from its start and drop what was yielded
             logger.warning("the dataset has no state_dict/load_state_dict: resuming replays the %d batches of this "
                            "epoch already yielded and drops them; give it those methods to resume directly",
                            resume.yielded)
-            self._skip_batches = resume.yielded
+            self._skip_batches = resume.yielded + resume.since_snapshot
             self._stream.begin(replay=resume.replay)
             return EpochProgress(workers, base_seed=resume.base_seed, replay=self._stream.replay)
         datasets: list[Any] = []
@@ -122,9 +131,23 @@ class LoaderIterator:
                 self._stream.load_snapshot(resume.snapshot)
             if self._dataset_outlives_epoch:
                 datasets = resume.next_epoch_datasets()
+                if self._iterable:
+                    self.ended_iterators = [s.get("iterator") if isinstance(s, dict) else None for s in resume.datasets]
+            if workers == 0 and datasets and datasets[0] is not None:
+                # the dataset object carries its state into the epoch, before the epoch's draws (as it did
+                # in the saved run: a dataset's state may hold RNG state the draws then read)
+                self._dataset.load_state_dict(copy.deepcopy(datasets[0]["dataset"]))
+                datasets = []
+            if workers == 0 and self.ended_iterators and self.ended_iterators[0] is not None:
+                restore_ended_iterator(self._dataset, self.ended_iterators[0])
         start = self._stream.idle_snapshot()
         self._stream.begin(draws_base_seed=base_seed is None)
         seed = draw_base_seed(self._generator) if base_seed is None else base_seed
+        if workers and not self._dataset_outlives_epoch and getattr(self._index_sampler, "reiterated_by_workers", False):
+            # StatefulDataLoader's shuffle (adopted from its checkpoint): its new worker iterator iterates the sampler
+            # again after drawing the base seed, and the epoch takes that second permutation
+            start = self._stream.idle_snapshot()
+            self._stream.begin(draws_base_seed=False)
         return EpochProgress(workers, base_seed=seed, replay=self._stream.replay, snapshot=start, datasets=datasets)
 
     def __iter__(self) -> LoaderIterator:

@@ -9,8 +9,9 @@ over through reused shared memory (``_handoff``). An iterator is given the loade
 
 Keyword-only extras after torch's arguments:
 
-- ``snapshot_every_n_steps``: torchdata's ``StatefulDataLoader`` argument, accepted so its code runs
-  unchanged. States are snapshotted with every batch here (they are small by contract).
+- ``snapshot_every_n_steps``: torchdata's ``StatefulDataLoader`` argument, with its meaning: workers report
+  their dataset states around every n-th batch (never with 0; every batch with 1 or None), and a mid-epoch
+  ``state_dict()`` is the last snapshot plus the batches since, fetched again and dropped on resume.
 - ``world_size``, ``rank``, ``shuffle_seed``: the elastic path. omnifeed deals a map-style dataset
   across ranks itself (no ``DistributedSampler``): ``ElasticBatchSampler``. ``resize(world_size, rank)``
   re-deals the rest of the epoch; every sample is delivered exactly once per epoch across resizes.
@@ -33,10 +34,11 @@ from torch.utils.data.dataloader import _DatasetKind
 
 from ._elastic import ElasticBatchSampler
 from ._feed_path import feed_batches, feed_steps_left, is_index, open_feed
-from ._iterators import LoaderIterator, LoaderMetrics, SingleProcessIterator
+from ._iterators import LoaderIterator, LoaderMetrics, SingleProcessIterator, draw_base_seed
 from ._sampling import IndexStream
 from ._settings import LoaderSettings
-from ._state import EpochProgress, parse_state
+from ._state import EpochProgress, WorkerCountError, parse_state
+from ._torchdata_state import from_torchdata_state, is_torchdata_state, needs_torchdata_shuffle, torchdata_shuffle
 from ._worker_pool import WorkerPoolIterator
 from ..feed._feed import Feed
 from ..feed._config import FeedConfig
@@ -75,15 +77,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         feed_config: FeedConfig | None = None,
     ) -> None:
         if snapshot_every_n_steps is not None and (
-            not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 1
+            not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 0
         ):
-            raise ValueError(f"snapshot_every_n_steps must be a positive integer or None, got {snapshot_every_n_steps!r}")
+            raise ValueError(f"snapshot_every_n_steps must be a non-negative integer or None, got {snapshot_every_n_steps!r}")
         self._metrics = LoaderMetrics()
         self._progress: EpochProgress | None = None  # the latest epoch's progress
         self._pending: EpochProgress | None = None  # a loaded state, for the next iter()
         self._live: weakref.ReferenceType[LoaderIterator] | None = None
         self._feed: Feed | None = None
         self._elastic: ElasticBatchSampler | None = None
+        self._refusal: WorkerCountError | None = None  # a loaded state for another num_workers: the next iter() raises it
+        self._torchdata_draw = False  # a loaded StatefulDataLoader state: its iterator draws a base seed it discards
         self.snapshot_every_n_steps = snapshot_every_n_steps
         torch_args = {
             "batch_size": batch_size, "shuffle": shuffle, "sampler": sampler, "batch_sampler": batch_sampler,
@@ -135,7 +139,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             return feed_batches(self._feed, self.pin_memory)
         if self._datapipe:  # DataPipes keep torch's own iterators (and have no state here)
             return super().__iter__()
+        if self._refusal is not None:
+            raise self._refusal
         resume, self._pending = self._pending, None
+        if self._torchdata_draw and resume is not None:  # as StatefulDataLoader does, for the RNG streams after it
+            draw_base_seed(self.generator)
+        self._torchdata_draw = False
         live = self._live() if self._live is not None else None
         if self._elastic is not None and resume is None and self._progress is not None \
                 and self._progress.status == "running":  # the elastic path continues where delivery stopped
@@ -181,7 +190,7 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             worker_init_fn=self.worker_init_fn, multiprocessing_context=self.multiprocessing_context,
             persistent_workers=self.persistent_workers, in_order=self.in_order, generator=self.generator,
             pin_memory=self.pin_memory, pin_memory_device=self.pin_memory_device,
-            iterable_len_called=self._IterableDataset_len_called,
+            iterable_len_called=self._IterableDataset_len_called, snapshot_every_n_steps=self.snapshot_every_n_steps,
         )
 
     def __len__(self) -> int:
@@ -215,24 +224,46 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from ``state`` at the next ``iter()``; ``{}`` resets to a fresh start (as torchdata's).
 
-        A state saved between epochs puts the loader's and samplers' generators back at once.
+        A state saved between epochs puts the loader's and samplers' generators back at once. A torchdata
+        ``StatefulDataLoader`` state (recognised by its keys) continues as StatefulDataLoader would from it
+        (``_torchdata_state``); with ``shuffle=True`` the loader then shuffles as StatefulDataLoader does.
 
-        Raises ``ValueError`` for a state of another kind, or one that needs the same ``num_workers``;
-        on the elastic path ``StateMismatchError`` for a state of another dataset length or batching.
+        Raises ``ValueError`` for a state of another kind; one that needs the same ``num_workers`` makes the next
+        ``iter()`` raise ``WorkerCountError`` (a ``ValueError`` and, as torchdata's, an ``AssertionError``); on the
+        elastic path ``StateMismatchError`` for a state of another dataset length or batching. A refused state leaves
+        the loader as it was (a deferred ``WorkerCountError`` replaces what was loaded before, and nothing else).
         ``state`` is not modified.
         """
         if self._feed is not None:
             self._feed.load_state_dict(state)
             return
         self._refuse_datapipe("load_state_dict")
-        progress = None if not state else parse_state(state, num_workers=self.num_workers, iterable=self._is_iterable)
+        # everything is checked and converted before anything changes: a refused state leaves the loader as it was
+        foreign = bool(state) and is_torchdata_state(state)
+        if foreign:
+            if self._elastic is not None:
+                raise ValueError("a StatefulDataLoader checkpoint has no elastic dealing: load it into a DataLoader "
+                                 "built without world_size/rank")
+            state = from_torchdata_state(state, self)
+        # StatefulDataLoader's shuffle, from its checkpoint or an own state saved after loading one
+        shuffle = torchdata_shuffle(self) if state and needs_torchdata_shuffle(state) else None
+        try:
+            progress = None if not state else parse_state(state, num_workers=self.num_workers, iterable=self._is_iterable)
+        except WorkerCountError as exc:  # raised by the next iter(), as torchdata's; the state is not applied
+            self._close_iterators()
+            self._refusal, self._pending, self._progress, self._torchdata_draw = exc, None, None, False
+            return
         if self._elastic is not None and progress is not None and progress.snapshot is not None:
             self._elastic.check_state(progress.snapshot["sampler"])  # another dataset or batching: refuse now
         if progress is not None and progress.status != "running" and progress.replay is not None:
             # between epochs: the generators as they were when the state was saved, now, so that a script that
-            # reseeds them before the next epoch (as it did in the saved run) still does
-            IndexStream(self._index_sampler, self.generator).restore_generators(progress.replay)
+            # reseeds them before the next epoch (as it did in the saved run) still does (all or none of them)
+            index_sampler = shuffle.index_sampler if shuffle is not None else self._index_sampler
+            IndexStream(index_sampler, self.generator).restore_generators(progress.replay)
+        if shuffle is not None:
+            shuffle.give_to(self)
         self._close_iterators()
+        self._refusal, self._torchdata_draw = None, foreign
         self._pending = progress
         self._progress = progress
 

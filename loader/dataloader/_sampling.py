@@ -139,13 +139,19 @@ class IndexStream:
         return {**self._capture(False), "global_rng": None}
 
     def restore_generators(self, replay: Mapping[str, Any]) -> None:
-        """Put the captured generators back in the states ``replay`` holds."""
+        """Put the captured generators back in the states ``replay`` holds: all of them, or (``ValueError``) none."""
         generators = self._generators()
         if len(replay["generators"]) != len(generators):
             raise ValueError(f"the state holds {len(replay['generators'])} generator states; this loader's "
                              f"samplers use {len(generators)}: resume with the same sampler and generator")
-        for g, text in zip(generators, replay["generators"]):
-            g.set_state(decode_rng(text))
+        before = [g.get_state() for g in generators]
+        try:
+            for g, text in zip(generators, replay["generators"]):
+                g.set_state(decode_rng(text))
+        except (TypeError, ValueError, RuntimeError) as exc:  # binascii.Error is a ValueError
+            for g, old in zip(generators, before):
+                g.set_state(old)
+            raise ValueError(f"the state's generator states do not fit this loader's generators ({exc})") from None
 
     # -- an epoch -------------------------------------------------------------------------------
     def load_snapshot(self, snapshot: Mapping[str, Any]) -> None:

@@ -34,6 +34,7 @@ class LoaderSettings:
       warnings).
     - ``iterable_len_called``: ``len(dataloader)`` as last reported for an iterable dataset, or None
       (torch's ``_IterableDataset_len_called``: more batches than that warns).
+    - ``snapshot_every_n_steps``: torchdata's argument; how often workers report their dataset states (``_state``).
     """
 
     dataset: Any
@@ -53,3 +54,4 @@ class LoaderSettings:
     pin_memory: bool
     pin_memory_device: str
     iterable_len_called: int | None
+    snapshot_every_n_steps: int | None = 1

@@ -2,7 +2,7 @@
 
 State keys (``DataLoader.state_dict()``):
 
-- ``format``: ``"omnifeed.dataloader-state/2"``.
+- ``format``: ``"omnifeed.dataloader-state/3"`` (``/2`` states, without ``since_snapshot``, load too).
 - ``status``: ``"fresh"`` (no epoch started since the state was made: the next ``iter()`` starts one),
   ``"running"`` (mid-epoch: the next ``iter()`` continues it) or ``"finished"`` (the epoch ended).
 - ``base_seed``: the epoch's worker base seed (workers seed ``random``, ``torch`` and ``numpy`` from
@@ -20,6 +20,11 @@ State keys (``DataLoader.state_dict()``):
   epoch from until then; None when the dataset has no state or nothing is known), ``ended`` (per
   worker: its iterable dataset is exhausted, also when it ended inside its last, short batch).
 
+- ``since_snapshot``: batches yielded after the step the rest of the state describes. With workers and
+  ``snapshot_every_n_steps=n`` other than 1 (torchdata's argument), workers report their dataset states only
+  around every n-th batch (never with 0), so a mid-epoch state is the last snapshot and the batches since,
+  which a resume fetches again and drops (as torchdata does); else 0.
+
 The state is JSON-serializable whenever the dataset's and sampler's own states are.
 """
 
@@ -30,11 +35,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-STATE_FORMAT = "omnifeed.dataloader-state/2"
-_KEYS = {"format", "status", "base_seed", "yielded", "sampler", "workers"}
+STATE_FORMAT = "omnifeed.dataloader-state/3"
+_OLD_FORMAT = "omnifeed.dataloader-state/2"
+_KEYS = {"format", "status", "base_seed", "yielded", "sampler", "workers", "since_snapshot"}
 _SAMPLER_KEYS = {"consumed", "also_yielded", "replay", "snapshot"}
 _WORKER_KEYS = {"count", "next", "datasets", "ended"}
 _REPLAY_KEYS = {"seed", "global_rng", "generators", "draws_base_seed", "pulled"}
+
+
+class WorkerCountError(ValueError, AssertionError):
+    """A state that holds each worker's place, loaded with another ``num_workers`` (torchdata raises an
+    ``AssertionError`` there, at the next ``iter()``; it is both)."""
 
 
 @dataclass
@@ -52,7 +63,10 @@ class EpochProgress:
     datasets: list[Any] = field(default_factory=list)
     ended: list[bool] = field(default_factory=list)
     next_worker: int = 0
+    every: int | None = 1  # snapshot_every_n_steps (workers report dataset states around every n-th batch)
+    since_snapshot: int = 0  # a loaded state's batches after its snapshot: the resume fetches and drops them
     _pending: dict[int, dict[str, Any] | None] = field(default_factory=dict)  # snapshots of later tasks
+    _snap: dict[str, Any] | None = None  # the state at the last snapshot step (periodic snapshots only)
 
     def __post_init__(self) -> None:
         slots = max(1, self.num_workers)
@@ -64,9 +78,30 @@ class EpochProgress:
         if snapshot is not None:
             self._pending[task] = snapshot
 
+    @property
+    def periodic(self) -> bool:
+        """Whether states are snapshots every ``every`` batches (workers, ``every`` other than 1)."""
+        return self.num_workers > 0 and self.every is not None and self.every != 1
+
+    def wants_state(self, task: int, *, in_flight: int, in_order: bool, iterable: bool, tasks: int | None = None) -> bool:
+        """Whether task ``task``'s worker should report its dataset state: torchdata's rule, the tasks that can be a
+        worker's last before a snapshot step, and each worker's last of the epoch (``tasks``: the epoch's count, when
+        known), so that the next epoch of persistent workers starts from their exact states; ``in_flight``: the most
+        tasks in flight."""
+        if not self.periodic or not in_order:
+            return True
+        every = self.every or 0
+        if every == 0:
+            return False
+        if iterable:  # which batch a task becomes is known only once workers run out: a wider window
+            return (self.yielded % every) + 1 + in_flight + self.num_workers >= every
+        return task % every + self.num_workers >= every or (tasks is not None and task + self.num_workers >= tasks)
+
     def delivered(self, task: int, worker: int, dataset_state: Any, *, yielded: bool, ended: bool = False) -> None:
         """Task ``task``'s batch was yielded (or its error raised); ``dataset_state`` is that worker's state after it;
         ``ended``: the worker's iterable dataset ran out while filling this (short) batch."""
+        if self.periodic and self._snap is None:  # the epoch's start, or the loaded snapshot
+            self._snap = self._state()
         if yielded:
             self.yielded += 1
             if dataset_state is not None:
@@ -76,6 +111,8 @@ class EpochProgress:
             if self.num_workers:
                 self.next_worker = (worker + 1) % self.num_workers
         self._consume(task)
+        if yielded and self.periodic and self.every and self.yielded % self.every == 0:
+            self._snap = self._state()
 
     def worker_ended(self, task: int, worker: int, dataset_state: Any = None) -> None:
         """Task ``task`` found ``worker``'s iterable dataset exhausted; ``dataset_state`` is its state then."""
@@ -113,9 +150,16 @@ class EpochProgress:
         self._pending.clear()
 
     def state(self) -> dict[str, Any]:
-        """The loader state (a deep copy: later progress never changes it)."""
+        """The loader state (a deep copy: later progress never changes it): mid-epoch with periodic snapshots, the
+        last snapshot and the batches yielded since."""
+        if self.status == "running" and self._snap is not None:
+            return {**copy.deepcopy(self._snap), "since_snapshot": self.yielded - self._snap["yielded"]}
+        return self._state()
+
+    def _state(self) -> dict[str, Any]:
         return copy.deepcopy({
             "format": STATE_FORMAT,
+            "since_snapshot": 0,
             "status": self.status,
             "base_seed": self.base_seed,
             "yielded": self.yielded,
@@ -144,6 +188,8 @@ def parse_state(state: Mapping[str, Any], *, num_workers: int, iterable: bool) -
 
     ``state`` is not modified (the progress holds copies).
     """
+    if isinstance(state, Mapping) and state.get("format") == _OLD_FORMAT:
+        state = {**state, "format": STATE_FORMAT, "since_snapshot": 0}
     if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
         found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
         raise ValueError(f"not an omnifeed DataLoader state (format {found!r}, expected {STATE_FORMAT!r}); "
@@ -159,7 +205,7 @@ def parse_state(state: Mapping[str, Any], *, num_workers: int, iterable: bool) -
         raise ValueError(f"the state lists {len(workers['datasets'])} dataset states for {count} workers")
     if any(s is not None for s in workers["datasets"]) or (iterable and state["yielded"]):
         if count != num_workers:
-            raise ValueError(
+            raise WorkerCountError(
                 f"the state was saved with num_workers={count} and holds each worker's place in the dataset; "
                 f"resume with num_workers={count}"
             )
@@ -192,4 +238,5 @@ def parse_state(state: Mapping[str, Any], *, num_workers: int, iterable: bool) -
         datasets=list(workers["datasets"]) if same_workers else [],
         ended=[bool(e) for e in workers["ended"]] if same_workers else [],
         next_worker=_count("workers.next", workers["next"]) % slots if same_workers else 0,
+        since_snapshot=_count("since_snapshot", state["since_snapshot"]),
     )

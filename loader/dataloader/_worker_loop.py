@@ -44,9 +44,11 @@ class WorkerSetup:
 
 @dataclass(frozen=True)
 class StartEpoch:
-    """Begin an epoch: a new fetcher over the dataset, from ``dataset_state`` when resuming."""
+    """Begin an epoch: a new fetcher over the dataset, from ``dataset_state`` when resuming; ``ended_iterator``: the
+    state the last epoch's iterator ended in, restored first (from a state saved at an epoch's end)."""
 
     dataset_state: Mapping[str, Any] | None
+    ended_iterator: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,7 @@ class Task:
     task_id: int
     generation: int
     index: Any
+    snapshot: bool = True  # reply with the dataset's state after it (``snapshot_every_n_steps``)
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ def worker_loop(setup: WorkerSetup, tasks: Any, replies: Any, done_event: Any) -
                     fetcher = BatchFetcher(
                         setup.dataset, iterable=setup.iterable, auto_collation=setup.auto_collation,
                         collate_fn=setup.collate_fn, drop_last=setup.drop_last, state=message.dataset_state,
-                        in_worker=True,
+                        in_worker=True, ended_iterator=message.ended_iterator,
                     )
                 except Exception:
                     pending_error = pending_error or ExceptionWrapper(where=where)
@@ -147,7 +150,7 @@ def _serve(task: Task, fetcher: BatchFetcher, writer: SlotWriter, worker_id: int
                 raise
             fetcher.ended = True
             return Reply(task.task_id, task.generation, worker_id, "ended", dataset_state=fetcher.state())
-        state = fetcher.state()
+        state = fetcher.state() if task.snapshot else None
         return Reply(task.task_id, task.generation, worker_id, "batch", batch=writer.pack(batch), dataset_state=state,
                      ended=fetcher.ended)
     except Exception:

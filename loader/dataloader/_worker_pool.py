@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing.connection
 import queue
 import weakref
+from collections.abc import Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,13 +71,16 @@ class WorkerPoolIterator(LoaderIterator):
         signal_handling._set_worker_pids(id(self), tuple(w.pid for w in self._workers))
         signal_handling._set_SIGCHLD_handler()
         self._generation = 0
+        self._tasks = _task_count(self._index_sampler) if not self._iterable else None
         self._start_epoch()
 
     # -- epochs ----------------------------------------------------------------------------
     def _start_epoch(self) -> None:
         """Send each worker its fetcher for the epoch and prime the pipeline."""
+        ended = self.ended_iterators or [None] * self._num_workers
         for worker_id, tasks in enumerate(self._task_queues):
-            tasks.put(StartEpoch(self.progress.datasets[worker_id]))
+            tasks.put(StartEpoch(self.progress.datasets[worker_id], ended[worker_id]))
+        self.ended_iterators = []
         self._reset_flight()
 
     def _reset_flight(self) -> None:
@@ -143,7 +147,9 @@ class WorkerPoolIterator(LoaderIterator):
         self.progress.dispatched(task, self._stream.snapshot())
         self._flight[task] = _InFlight(worker)
         self._busy[worker] += 1
-        self._task_queues[worker].put(Task(task, self._generation, index))
+        wanted = self.progress.wants_state(task, in_flight=self._prefetch, in_order=self._in_order, iterable=self._iterable,
+                                           tasks=self._tasks)
+        self._task_queues[worker].put(Task(task, self._generation, index, wanted))
         return True
 
     # -- receiving ---------------------------------------------------------------------------
@@ -272,3 +278,11 @@ def _shut_down(workers: list[Any], task_queues: list[Any], done: Any, key: int) 
             if worker.is_alive():
                 worker.terminate()
                 worker.join(timeout=MP_STATUS_CHECK_INTERVAL)
+
+
+def _task_count(sampler: object) -> int | None:
+    """The epoch's number of tasks, when the index sampler tells it."""
+    try:
+        return len(sampler) if isinstance(sampler, Sized) else None
+    except (TypeError, NotImplementedError):
+        return None
