@@ -1,18 +1,22 @@
 """Padding and data-parallel balance: fixed-size batches vs cost-budgeted buckets vs packing.
 
-    python benchmarks/bench_bucketing.py [--samples 200000] [--world-size 8]
+    python benchmarks/bench_bucketing.py [--samples 200000] [--world-size 8] [--mix-budgets 16384 32768 65536]
 
-Lengths are generated, long-tailed like real captions and documents:
+Lengths are generated, long-tailed:
 
-- ``text``: text-only samples, token counts log-normal (median ~90, a tail into thousands);
-- ``multimodal``: the same texts as captions or documents, plus images (sizes 64–2048 px,
-  224-short-side resize, 14 px patches), short videos and audio clips.
+- ``text``: text-only samples, token counts log-normal (median ~90, a tail into thousands):
+  fixed-size batches vs a budget vs packing, at ``--budget`` and ``--world-size``;
+- ``multimodal``: a mix of the four modalities (``mix_lengths``: documents, photos with
+  captions, clips with captions and some with speech, speech with transcripts) under a
+  realistic cost model (clips at 2 fps capped at 16 frames, short side 224, 14 px patches),
+  at each of ``--mix-budgets`` and ``--mix-world-sizes``, dealt in cost tiers (the default)
+  and, for comparison, shuffled across the window (``tier_width: null``); plus packing of
+  the text stream.
 
-For each, one epoch of the plan is dealt to ``--world-size`` ranks and measured with the
-same report as ``omnifeed plan --stats``: padding fraction per stream (padded slots / all
-slots) and balance (max / mean micro-batch cost across the ranks of a step, worst and mean
-over steps). The fixed batch size is chosen so that its mean cost per micro-batch matches
-the budget, so both spend the same compute per step. Prints one JSON object.
+Each is one epoch of the plan dealt to the ranks and measured with the same report as
+``omnifeed plan --stats``: padding fraction per stream (padded slots / all slots) and balance
+(max / mean micro-batch cost across the ranks of a step, worst and mean over steps). The
+fixed batch size matches the budgeted run's samples per micro-batch. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -25,27 +29,50 @@ import numpy as np
 
 from omnifeed.bucketing import INDEX_COLUMNS, BucketingConfig, CostModel
 from omnifeed.loader import Plan, PlanConfig, PlanCursor
-from omnifeed.loader.plan._report import PlanReport
+from omnifeed.loader.plan import PlanReport
 
 
 def lengths(samples: int, kind: str, seed: int = 0) -> dict[str, np.ndarray]:
     """Index length columns for ``samples`` generated samples."""
+    if kind == "mix":
+        return mix_lengths(samples, seed)
     rng = np.random.default_rng(seed)
     columns = {name: np.zeros(samples) for name in INDEX_COLUMNS}
     columns["text_tokens"] = np.clip(rng.lognormal(4.5, 1.1, samples), 4, 8000).astype(np.int64)
-    if kind == "multimodal":
-        mix = rng.choice(4, samples, p=[0.4, 0.4, 0.1, 0.1])  # text only, image, video, audio
-        captions = np.clip(rng.lognormal(3.0, 0.5, samples), 4, 120).astype(np.int64)
-        columns["text_tokens"] = np.where(mix == 0, columns["text_tokens"], captions)
-        image = mix == 1
-        columns["image_width"] = np.where(image, rng.integers(64, 2048, samples), 0)
-        columns["image_height"] = np.where(image, rng.integers(64, 2048, samples), 0)
-        video = mix == 2
-        columns["video_frames"] = np.where(video, rng.integers(8, 64, samples), 0)
-        columns["video_fps"] = np.where(video, 24.0, 0)
-        columns["video_width"] = np.where(video, 320, 0)
-        columns["video_height"] = np.where(video, 240, 0)
-        columns["audio_seconds"] = np.where(mix == 3, np.clip(rng.lognormal(1.5, 0.8, samples), 0.5, 60), 0)
+    return columns
+
+
+def mix_lengths(samples: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A long-tailed multimodal corpus: documents; photos + captions; clips + captions (some with speech); speech + transcripts.
+
+    35 % text documents (tokens log-normal, median ~400, tail to 8,192); 35 % photos (side
+    log-normal around 700 px, aspect ratios log-normal) with captions (median ~25 tokens, tail
+    to 256); 10 % clips (seconds log-normal, median ~9 s, tail to 10 min; 24/30/60 fps;
+    360p to 1080p, some portrait) with captions, 5 % with speech too (audio = the clip's
+    first 30 s); 15 % speech (seconds log-normal, median ~6 s, up to 30 s) with transcripts
+    (~3 tokens per second).
+    """
+    rng = np.random.default_rng(seed)
+    columns = {name: np.zeros(samples) for name in INDEX_COLUMNS}
+    kind = rng.choice(5, samples, p=[0.35, 0.35, 0.10, 0.05, 0.15])  # doc, photo, clip, clip + speech, speech
+    docs = np.clip(rng.lognormal(6.0, 1.0, samples), 16, 8192)
+    captions = np.clip(rng.lognormal(3.2, 0.6, samples), 3, 256)
+    side = np.clip(rng.lognormal(6.6, 0.5, samples), 64, 4096)
+    aspect = np.exp(rng.normal(0, 0.35, samples))
+    photo, clip = kind == 1, (kind == 2) | (kind == 3)
+    columns["image_width"] = np.where(photo, np.round(side * aspect), 0)
+    columns["image_height"] = np.where(photo, np.round(side / aspect), 0)
+    seconds = np.clip(rng.lognormal(2.2, 0.9, samples), 1, 600)
+    fps = rng.choice([24.0, 30.0, 60.0], samples)
+    resolution = rng.choice(4, samples, p=[0.3, 0.4, 0.2, 0.1])
+    columns["video_frames"] = np.where(clip, np.round(seconds * fps), 0)
+    columns["video_fps"] = np.where(clip, fps, 0)
+    columns["video_width"] = np.where(clip, np.array([640, 1280, 1920, 1080])[resolution], 0)
+    columns["video_height"] = np.where(clip, np.array([360, 720, 1080, 1920])[resolution], 0)
+    speech = np.clip(rng.lognormal(1.8, 0.7, samples), 0.5, 30)
+    transcripts = np.clip(speech * rng.normal(3.0, 0.6, samples), 2, 512)
+    columns["audio_seconds"] = np.where(kind == 4, speech, np.where(kind == 3, np.minimum(seconds, 30), 0))
+    columns["text_tokens"] = np.where(kind == 0, docs, np.where(kind == 4, transcripts, captions)).astype(np.int64)
     return columns
 
 
@@ -55,9 +82,46 @@ def run(columns: dict[str, np.ndarray], config: PlanConfig, world_size: int, cos
     start = time.perf_counter()
     plan = Plan(samples, config, index_fingerprint="bench", lengths=lambda p: {k: v[p] for k, v in columns.items()})
     cursor, report = PlanCursor(plan, world_size=world_size), PlanReport(plan, cost=cost)
+    balances = []
     while not cursor.epoch_delivered(0):
-        report.add(cursor.next_step())
-    return {**report.stats(), "seconds": round(time.perf_counter() - start, 2)}
+        step = cursor.next_step()
+        report.add(step)
+        costs = [mb.cost for mb in step.micro_batches]
+        balances.append(max(costs) / max(float(np.mean(costs)), 1e-9))
+    stats = report.stats()
+    # the epoch's final step deals the last window's light leftovers (nothing carries out of an epoch)
+    stats["balance_last_step"] = round(balances[-1], 4)
+    stats["balance_worst_before_last_step"] = round(max(balances[:-1], default=1.0), 4)
+    stats["window_size"] = plan.window_size
+    stats["samples_per_micro_batch"] = round(stats["samples"] / max(stats["micro_batches"], 1), 2)
+    return {**stats, "seconds": round(time.perf_counter() - start, 2)}
+
+
+def text_only(args: argparse.Namespace, cost: CostModel) -> dict:
+    """Text only: fixed-size batches vs budget vs packing, at ``--budget`` and ``--world-size``."""
+    columns = lengths(args.samples, "text")
+    budgeted = PlanConfig(seed=0, bucketing=BucketingConfig(budget=args.budget, cost=cost, overlong="alone"))
+    bucketed = run(columns, budgeted, args.world_size, cost)
+    fixed = run(columns, PlanConfig(seed=0, batch_size=max(1, round(bucketed["samples_per_micro_batch"]))), args.world_size, cost)
+    packing = BucketingConfig(mode="packing", budget=args.budget / 8, cost=cost, overlong="split")
+    return {"fixed": fixed, "bucketed": bucketed, "packed": run(columns, PlanConfig(seed=0, bucketing=packing), args.world_size, cost)}
+
+
+def multimodal(args: argparse.Namespace) -> dict:
+    """The four-modality mix at each budget and world size: cost tiers (the default) vs a shuffled window."""
+    cost = CostModel(video_fps=2.0, video_max_frames=16)  # clips capped at 16 frames, short side 224, 14 px patches
+    columns = mix_lengths(args.samples)
+    out: dict = {"cost": cost.model_dump(), "runs": []}
+    for budget in args.mix_budgets:
+        for world_size in args.mix_world_sizes:
+            for dealing, tier_width in (("tiers", 0.02), ("shuffled", None)):
+                bucketing = BucketingConfig(budget=budget, cost=cost, overlong="alone", tier_width=tier_width)
+                figures = run(columns, PlanConfig(seed=0, bucketing=bucketing), world_size, cost)
+                out["runs"].append({"budget": budget, "world_size": world_size, "dealing": dealing, **figures})
+        packing = BucketingConfig(mode="packing", budget=budget / 2, cost=cost, overlong="split")
+        out["runs"].append({"budget": budget / 2, "world_size": args.mix_world_sizes[0], "dealing": "packing (text)",
+                            **run(columns, PlanConfig(seed=0, bucketing=packing), args.mix_world_sizes[0], cost)})
+    return out
 
 
 def main() -> None:
@@ -65,19 +129,10 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=200_000)
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--budget", type=float, default=65536)
+    parser.add_argument("--mix-budgets", type=float, nargs="+", default=[16384, 32768, 65536])
+    parser.add_argument("--mix-world-sizes", type=int, nargs="+", default=[4, 8])
     args = parser.parse_args()
-    cost = CostModel(video_fps=2.0)
-    results = {}
-    for kind in ("text", "multimodal"):
-        columns = lengths(args.samples, kind)
-        budgeted = PlanConfig(seed=0, bucketing=BucketingConfig(budget=args.budget, cost=cost, overlong="alone"))
-        bucketed = run(columns, budgeted, args.world_size, cost)
-        mean_samples = bucketed["samples"] / bucketed["micro_batches"]
-        fixed = run(columns, PlanConfig(seed=0, batch_size=max(1, round(mean_samples))), args.world_size, cost)
-        results[kind] = {"fixed": fixed, "bucketed": bucketed}
-        if kind == "text":
-            packing = BucketingConfig(mode="packing", budget=args.budget / 8, cost=cost, overlong="split")
-            results[kind]["packed"] = run(columns, PlanConfig(seed=0, bucketing=packing), args.world_size, cost)
+    results = {"text": text_only(args, CostModel(video_fps=2.0)), "multimodal": multimodal(args)}
     print(json.dumps({"samples": args.samples, "world_size": args.world_size, "budget": args.budget, **results}, indent=1))
 
 

@@ -3,8 +3,9 @@
 Both take the window's own samples (in stream order) and a *lookahead*: the samples that
 follow the window in the stream. Only the window's last micro-batch may borrow from the
 lookahead, a prefix of it, to fill up; the caller starts the next window after what was
-borrowed. So no sample is ever carried from one window to another and a window's
-micro-batches depend only on (its start, the stream, the budget): resuming needs one window.
+borrowed. The caller may also *carry* a window's light micro-batches (`light_to_carry`) into
+the next window, where their samples join its own; a window's micro-batches then depend only
+on (its start, the stream, the budget, the few ids carried in): resuming needs one window.
 
 Budget mode, per window:
 
@@ -12,18 +13,22 @@ Budget mode, per window:
    first, a micro-batch takes the next sample while its padded cost stays within budget;
 2. each bucket's last, partly filled micro-batch is a *leftover*; leftovers are pooled,
    sorted by modality mix, then cost (similar samples meet) and filled the same way;
-3. the last of those borrows from the lookahead while it fits.
+3. the last of those borrows from the lookahead while it fits;
+4. light micro-batches are dissolved into ones of their own modality mix with room, or
+   merged pairwise (across mixes) when the merged one fits the budget.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from ._cost import CostModel, sample_costs
+
+_LIGHT = 0.75  # a micro-batch under this fraction of the budget is a leftover worth merging
 
 
 class OverBudgetError(ValueError):
@@ -126,6 +131,84 @@ def _fill_buckets(
     return filler, leftovers
 
 
+def _absorb_light(done: list[tuple[list[int], float]], rows: list[list[float]], weights: _Weights, budget: float,
+                  max_size: int | None) -> list[tuple[list[int], float]]:
+    """Spread each light micro-batch's samples over micro-batches of their own modality mix that have room.
+
+    A sample goes where it leaves the fullest micro-batch within budget; a light micro-batch is
+    dissolved only when all its samples find room (otherwise it stays whole).
+    """
+    if len(done) < 2 or not rows:
+        return done
+    table = np.asarray(rows, dtype=np.float64)
+    w = np.asarray(weights.weights, dtype=np.float64)
+    members = [list(batch) for batch, _ in done]
+    sizes = np.array([len(m) for m in members], dtype=np.float64)
+    longest = np.stack([table[m].max(axis=0) for m in members])
+    present = (table > 0) @ (1 << np.arange(table.shape[1], dtype=np.int64))
+    kinds = np.array([np.bitwise_or.reduce(present[m]) if len(set(present[m].tolist())) == 1 else -1 for m in members])
+    costs = np.array([cost for _, cost in done])
+    alive = np.ones(len(done), dtype=bool)
+    for k in np.argsort(costs, kind="stable").tolist():
+        if costs[k] >= _LIGHT * budget:
+            continue
+        alive[k] = False
+        trial_sizes, trial_longest, trial_costs, moves = sizes.copy(), longest.copy(), costs.copy(), []
+        for sample in members[k]:
+            top = np.maximum(trial_longest, table[sample])
+            with_it = (trial_sizes + 1) * ((top + weights.quadratic * top * top) @ w)
+            fits = alive & (kinds == present[sample]) & (with_it <= budget)
+            if max_size is not None:
+                fits &= trial_sizes < max_size
+            if not fits.any():
+                break
+            j = int(np.argmax(np.where(fits, with_it, -1.0)))
+            trial_sizes[j], trial_longest[j], trial_costs[j] = trial_sizes[j] + 1, top[j], with_it[j]
+            moves.append((sample, j))
+        if len(moves) < len(members[k]):
+            alive[k] = True
+            continue
+        for sample, j in moves:
+            members[j].append(sample)
+        sizes, longest, costs = trial_sizes, trial_longest, trial_costs
+    return [(members[i], float(costs[i])) for i in np.flatnonzero(alive).tolist()]
+
+
+def _merge_light(done: list[tuple[list[int], float]], rows: list[list[float]], weights: _Weights, budget: float,
+                 max_size: int | None) -> list[tuple[list[int], float]]:
+    """Merge light micro-batches (leftovers of rare modality mixes) pairwise while the merged one fits the budget.
+
+    Lightest first, each into the light partner that leaves the fullest micro-batch: a step that
+    deals a leftover of 0.3 budgets beside full micro-batches is what unbalances ranks, and the
+    padding a mixed micro-batch adds (rows of absent streams) is bounded by the leftovers' size.
+    """
+    light = [i for i, (_, cost) in enumerate(done) if cost < _LIGHT * budget]
+    if len(light) < 2:
+        return done
+    sizes = np.array([len(done[i][0]) for i in light], dtype=np.float64)
+    longest = np.array([np.max([rows[m] for m in done[i][0]], axis=0) for i in light], dtype=np.float64).reshape(len(light), -1)
+    costs = np.array([done[i][1] for i in light])
+    w = np.asarray(weights.weights, dtype=np.float64)
+    alive = np.ones(len(light), dtype=bool)
+    members = {i: list(done[i][0]) for i in light}
+    for k in np.argsort(costs, kind="stable").tolist():
+        if not alive[k] or costs[k] > budget / 2:  # two costing more than half a budget never fit together
+            continue
+        top = np.maximum(longest, longest[k])
+        merged = (sizes + sizes[k]) * ((top + weights.quadratic * top * top) @ w)
+        fits = alive & (merged <= budget) & (np.arange(len(light)) != k)
+        if max_size is not None:
+            fits &= sizes + sizes[k] <= max_size
+        if not fits.any():
+            continue
+        j = int(np.argmax(np.where(fits, merged, -1.0)))
+        members[light[j]].extend(members[light[k]])
+        sizes[j], longest[j], costs[j] = sizes[j] + sizes[k], top[j], merged[j]
+        alive[k] = False
+    kept = {light[k]: (members[light[k]], float(costs[k])) for k in np.flatnonzero(alive).tolist()}
+    return [kept[i] if i in kept else batch for i, batch in enumerate(done) if i in kept or i not in members]
+
+
 def assemble_budget(
     positions: np.ndarray,
     lengths: Mapping[str, np.ndarray],
@@ -161,13 +244,33 @@ def assemble_budget(
         while consumed < len(extra) and filler.fits(extra[consumed]):
             filler.open.add(len(rows) + consumed, extra[consumed])
             consumed += 1
+        rows = rows + extra[:consumed]
     filler.close()
+    filler.done = _absorb_light(filler.done, rows, weights, budget, max_batch_size)
+    filler.done = _merge_light(filler.done, rows, weights, budget, max_batch_size)
     pool = np.concatenate([positions, lookahead_positions[:consumed]]) if lookahead_positions is not None else positions
     return Assembled(
         batches=[pool[np.asarray(members, dtype=np.int64)] for members, _ in filler.done],
         costs=[cost for _, cost in filler.done],
         consumed=consumed,
     )
+
+
+def light_to_carry(costs: Sequence[float], sizes: Sequence[int], budget: float, limit: int) -> list[int]:
+    """Indices of the light micro-batches (under 0.75 of ``budget``) to carry to the next window, at most ``limit`` samples.
+
+    Only leftovers with room for one more sample like their longest (cost × (n + 1) / n within
+    budget): a lone sample costing 0.6 of the budget is as light in any window, so it stays.
+    Lightest first; one that would take the total over ``limit`` is skipped (stays in its window).
+    """
+    chosen, total = [], 0
+    for i in sorted(range(len(costs)), key=lambda k: (costs[k], k)):
+        if costs[i] >= _LIGHT * budget:
+            break
+        if costs[i] * (sizes[i] + 1) / sizes[i] <= budget and total + sizes[i] <= limit:
+            chosen.append(i)
+            total += sizes[i]
+    return sorted(chosen)
 
 
 def assemble_fixed(positions: np.ndarray, batch_size: int, lookahead_positions: np.ndarray | None = None) -> Assembled:

@@ -33,6 +33,17 @@ class BucketingConfig(BaseModel):
     )
     pack_stream: str = Field(default="text", description="The sequence stream packed in 'packing' mode.")
     lookahead: int = Field(default=256, ge=0, description="Samples a window may borrow from the next to fill its last micro-batch.")
+    tier_width: float | None = Field(
+        default=0.02, gt=0, le=1,
+        description="Deal a window's micro-batches in cost tiers this wide (a ratio; shuffled within a tier), so "
+        "that any W consecutive ones cost about the same; null: shuffle the whole window.",
+    )
+    carry: int = Field(
+        default=256, ge=0,
+        description="Budget mode: a window's light micro-batches (under 0.75 of the budget) go to the next window, "
+        "at most this many samples (their ids are in the cursor state); the epoch's last window keeps its own. "
+        "0: never carry.",
+    )
     min_budget: float | None = Field(default=None, gt=0, description="Lower bound for memory feedback (default budget / 4).")
     max_budget: float | None = Field(default=None, gt=0, description="Upper bound for memory feedback (default budget).")
     target_headroom: float = Field(default=0.1, ge=0, lt=1, description="Memory headroom fraction feedback steers to.")

@@ -30,7 +30,7 @@ from omnifeed.loader import (
     validated,
 )
 from omnifeed.loader.index import default_workers
-from omnifeed.loader.plan import PlanReport
+from omnifeed.loader.plan import PlanReport, alone_costs, budget_guidance, suggest_budget
 
 from ._precache import PrecacheJob
 
@@ -198,6 +198,8 @@ def _plan_config(args: argparse.Namespace, saved: dict[str, Any] | None) -> Plan
 def run_plan(args: argparse.Namespace) -> int:
     index = SampleIndex(args.index)
     saved = _read_state_file(args.resume) if args.resume else None
+    if args.suggest_budget is not None:
+        return _suggest(args, index, saved)
     plan = Plan.from_index(index, _plan_config(args, saved["plan"] if saved else None))
     if plan.dropped_per_epoch:
         logging.warning("drop_last: %d samples of every epoch are not delivered", plan.dropped_per_epoch)
@@ -227,6 +229,19 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _suggest(args: argparse.Namespace, index: SampleIndex, saved: dict[str, Any] | None) -> int:
+    """`--suggest-budget N`: print the budget whose micro-batches hold N samples on average."""
+    if args.packing:
+        raise ValueError("--suggest-budget finds a cost budget for length-bucketed micro-batches; drop --packing")
+    if args.budget is None:
+        args.budget = 1.0  # a placeholder: the search replaces it; the cost model comes from --config
+    plan = Plan.from_index(index, _plan_config(args, saved["plan"] if saved else None))
+    if plan.bucketing is None or plan.bucketing.mode != "budget":
+        raise ValueError("--suggest-budget needs budget mode: set plan.bucketing.mode to budget in --config")
+    sys.stdout.write(json.dumps(suggest_budget(plan, args.suggest_budget)) + "\n")
+    return 0
+
+
 def _steps(cursor: PlanCursor, epoch: int, steps: int | None) -> Iterator[Step]:
     """``steps`` steps, or (without a count) steps until ``epoch`` is fully delivered."""
     dealt = 0
@@ -246,7 +261,33 @@ def _stats(report: PlanReport, index: SampleIndex, plan: Plan, args: argparse.Na
         for step in _steps(naive_cursor, _report_epoch(args), args.steps):
             naive.add(step)
         stats["fixed_batch_size"] = {"batch_size": naive_config.batch_size, **naive.stats()}
+    if plan.bucketing is not None and plan.bucketing.mode == "budget":
+        stats["budget_guidance"] = _guidance(plan, args)
     return stats
+
+
+def _guidance(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
+    """Samples over the budget and, when there are any, what the budgets holding 99 % / 100 % of them alone give."""
+    costs = alone_costs(plan)
+    guidance = budget_guidance(plan, costs)
+    if not guidance["samples_over_budget"]:
+        return guidance
+    assert plan.bucketing is not None
+    for share in ("99", "100"):
+        budget = max(guidance[f"budget_holding_{share}"], 1.0)
+        bucketing = plan.bucketing.model_copy(update={"budget": budget, "overlong": "alone", "min_budget": None,
+                                                      "max_budget": None})
+        other = plan.with_config(plan.config.model_copy(update={"bucketing": bucketing}))
+        report = PlanReport(other)
+        cursor = PlanCursor(other, world_size=args.world_size, grad_accum=args.grad_accum, epoch=_report_epoch(args))
+        for step in _steps(cursor, _report_epoch(args), args.steps):
+            report.add(step)
+        figures = report.stats()
+        guidance[f"at_budget_holding_{share}"] = {
+            "budget": budget, "samples_per_micro_batch": round(figures["samples"] / max(figures["micro_batches"], 1), 3),
+            "padding_fraction": figures["padding_fraction"], "balance_max_over_mean": figures["balance_max_over_mean"],
+        }
+    return guidance
 
 
 def _report_epoch(args: argparse.Namespace) -> int:

@@ -4,13 +4,15 @@ A step at world size ``W`` with ``A`` gradient-accumulation micro-steps takes th
 ``W * A`` micro-batches of the plan. Accumulation micro-step ``a`` of rank ``r`` gets the
 step's micro-batch ``a * W + r``, so every accumulation micro-step is ``W`` consecutive
 micro-batches (balanced when micro-batches cost the same). The cursor is a handful of
-numbers: resuming, at the same or another world size, computes one window, never a replay.
+numbers and the few sample ids carried into the current window: resuming, at the same or
+another world size, computes one window, never a replay.
 
 State keys (``state_dict``): ``format``, ``index_fingerprint``, ``config_fingerprint``,
 ``topology_version``, ``world_size``, ``grad_accum``, ``step`` (steps dealt since training
 began); the next micro-batch to deal: ``epoch``, ``window``, ``window_start`` (the window's
-first stream offset), ``offset`` (its place in the window), ``micro_batch`` (its place in
-the epoch); and ``budget``/``next_budget`` (the cost budget of this window and of the
+first stream offset), ``carried`` (the positions the window before carried into it, at most
+``bucketing.carry``; ``[]`` when nothing is carried), ``offset`` (its place in the window),
+``micro_batch`` (its place in the epoch); and ``budget``/``next_budget`` (the cost budget of this window and of the
 windows after it, changed by memory feedback; ``null`` for fixed-size batches).
 """
 
@@ -20,13 +22,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .._errors import StateMismatchError
 from ._plan import MicroBatch, Plan, WindowPlan
 
 STATE_FORMAT = "omnifeed.plan-state/1"
 _STATE_KEYS = frozenset(
     {"format", "index_fingerprint", "config_fingerprint", "topology_version", "world_size", "grad_accum",
-     "step", "epoch", "window", "window_start", "offset", "micro_batch", "budget", "next_budget"}
+     "step", "epoch", "window", "window_start", "carried", "offset", "micro_batch", "budget", "next_budget"}
 )
 _COUNTERS = ("topology_version", "step", "epoch", "window", "window_start", "offset", "micro_batch", "world_size", "grad_accum")
 
@@ -70,6 +74,7 @@ class PlanCursor:
         self.topology_version = 0
         self.step = 0
         self.epoch, self.window, self.window_start, self.offset, self.micro_batch = epoch, 0, 0, 0, 0
+        self.carried: np.ndarray = np.empty(0, dtype=np.int64)  # positions carried into the current window
         self.budget = self.next_budget = plan.budget
         self._current: WindowPlan | None = None
 
@@ -85,12 +90,12 @@ class PlanCursor:
         where it was before the step.
         """
         saved = (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
-                 self.next_budget, self._current)
+                 self.next_budget, self._current, self.carried)
         dealt: list[MicroBatch] = []
         for _ in range(self.world_size * self.grad_accum):
             if stop is not None and stop():
                 (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
-                 self.next_budget, self._current) = saved
+                 self.next_budget, self._current, self.carried) = saved
                 raise DealingStopped(f"dealing step {self.step} was stopped")
             dealt.append(self._next_micro_batch())
         step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, tuple(dealt))
@@ -100,7 +105,8 @@ class PlanCursor:
     def _window_plan(self) -> WindowPlan:
         if self._current is None:
             self._current = self.plan.window(
-                self.epoch, self.window, self.window_start, budget=self.budget, first_index=self.micro_batch - self.offset
+                self.epoch, self.window, self.window_start, budget=self.budget, first_index=self.micro_batch - self.offset,
+                carried=self.carried,
             )
         return self._current
 
@@ -119,8 +125,9 @@ class PlanCursor:
     def _advance(self, current: WindowPlan) -> None:
         if current.last:
             self.epoch, self.window, self.window_start, self.micro_batch = self.epoch + 1, 0, 0, 0
+            self.carried = np.empty(0, dtype=np.int64)
         else:
-            self.window, self.window_start = self.window + 1, current.next_start
+            self.window, self.window_start, self.carried = self.window + 1, current.next_start, current.carry
         self.offset = 0
         self.budget = self.next_budget
         self._current = None
@@ -166,6 +173,7 @@ class PlanCursor:
             "epoch": self.epoch,
             "window": self.window,
             "window_start": self.window_start,
+            "carried": [int(p) for p in self.carried],
             "offset": self.offset,
             "micro_batch": self.micro_batch,
             "budget": self.budget,
@@ -198,16 +206,29 @@ class PlanCursor:
                 raise ValueError(f"plan state {name} must be a non-negative integer, got {value!r}")
         if state["window_start"] > self.plan.num_samples or state["offset"] > state["micro_batch"]:
             raise ValueError("plan state position is outside this index; was it edited by hand?")
+        carried = _carried(state["carried"], self.plan)
         for name in ("budget", "next_budget"):
             if (state[name] is None) != (self.plan.budget is None):
                 raise ValueError(f"plan state {name} {state[name]!r} does not fit this plan's batching")
         self.step, self.epoch, self.window = state["step"], state["epoch"], state["window"]
         self.window_start, self.offset, self.micro_batch = state["window_start"], state["offset"], state["micro_batch"]
         self.budget, self.next_budget = state["budget"], state["next_budget"]
+        self.carried = carried
         self.topology_version = state["topology_version"]
         self._current = None
         if (state["world_size"], state["grad_accum"]) != (self.world_size, self.grad_accum):
             self.topology_version += 1
+
+
+def _carried(value: Any, plan: Plan) -> np.ndarray:
+    """The state's carried positions, checked: distinct positions of this index, no more than the plan carries."""
+    if not isinstance(value, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in value):
+        raise ValueError(f"plan state carried must be a list of sample positions, got {str(value)[:80]}")
+    if len(value) > plan.carry_limit:
+        raise ValueError(f"plan state carries {len(value)} samples; this plan carries at most {plan.carry_limit}")
+    if len(set(value)) != len(value) or any(not 0 <= p < plan.num_samples for p in value):
+        raise ValueError("plan state carried holds repeated positions or positions outside this index; was it edited by hand?")
+    return np.asarray(value, dtype=np.int64)
 
 
 def steps_left_in_epoch(plan: Plan, state: Mapping[str, Any]) -> int:

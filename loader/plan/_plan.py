@@ -14,22 +14,26 @@ The stream is cut into *windows* (``window_size`` samples, or one shard window).
 micro-batches are a pure function of (epoch, window, where it starts in the stream, the
 budget): fixed-size chunks, or length-bucketed micro-batches filled to a cost budget, or
 packs (``omnifeed.bucketing``). Only a window's last micro-batch may borrow the next few
-samples of the stream to fill up, and the next window starts after them, so nothing is ever
-carried between windows: the cursor is (epoch, window, window start, offset) and resuming
-computes one window. Epochs chain into one endless sequence.
+samples of the stream to fill up, and the next window starts after them. In budget mode a
+window's light micro-batches (leftovers that found no room) are *carried*: their samples
+join the next window's own (at most ``bucketing.carry`` of them; never out of an epoch's
+last window), so only the epoch's end deals a light micro-batch beside full ones. The cursor
+is (epoch, window, window start, the ids carried in, offset) and resuming computes one
+window. Epochs chain into one endless sequence.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from omnifeed.bucketing import (
     CostModel,
+    MixLayout,
     OverBudgetError,
     OverlongSampleError,
     Pack,
@@ -38,6 +42,10 @@ from omnifeed.bucketing import (
     assign_buckets,
     choose_bucket_streams,
     estimate_boundaries,
+    estimate_mix_layout,
+    even_order,
+    light_to_carry,
+    mix_buckets,
     pack_window,
     sample_costs,
     stream_lengths,
@@ -55,8 +63,12 @@ _TAG_SAMPLES, _TAG_SHARDS, _TAG_WINDOW, _TAG_ORDER = 1, 2, 3, 4
 _CACHED = 2  # epochs and shard windows kept computed
 _EDGE_SAMPLE = 65536  # samples read to estimate bucket edges
 # Default windows: fixed-size batches need no more than a few micro-batches' worth; bucketing
-# fills micro-batches tightly only when a window holds hundreds of them (benchmarks/RESULTS.md).
-_FIXED_WINDOW_BATCHES, _BUCKETED_WINDOW = 64, 65536
+# fills micro-batches tightly only when a window holds thousands of them: each bucket leaves one
+# partly filled, so budget mode sizes its window for ~6,144 micro-batches (docs/bench.md, issue 20).
+_FIXED_WINDOW_BATCHES, _BUCKETED_WINDOW, _WINDOW_MICRO_BATCHES, _MAX_WINDOW = 64, 65536, 6144, 1 << 19
+
+_NOTHING = np.empty(0, dtype=np.int64)
+_NOTHING.flags.writeable = False
 
 LengthSource = Callable[[np.ndarray], Mapping[str, np.ndarray]]
 """Positions -> the index's length columns (``text_tokens``, ``image_width``, ...) at those positions."""
@@ -80,7 +92,7 @@ class MicroBatch:
 
 @dataclass(frozen=True)
 class WindowPlan:
-    """The micro-batches of one window and where the next window starts in the stream."""
+    """The micro-batches of one window, where the next window starts in the stream and what it carries there."""
 
     epoch: int
     window: int
@@ -89,6 +101,7 @@ class WindowPlan:
     micro_batches: tuple[MicroBatch, ...]
     next_start: int
     last: bool  # whether this window ends its epoch
+    carry: np.ndarray = field(default_factory=lambda: _NOTHING)  # positions carried into the next window (never out of the last)
 
 
 class Plan:
@@ -133,13 +146,22 @@ class Plan:
             if self._shard_starts[-1] != num_samples:
                 raise ValueError("shard sizes do not add up to the number of samples")
             self._by_shard = by_shard
+        self._shard_sizes, self._by_shard_given = shard_sizes, by_shard
         self._lengths = lengths
         self._describe = describe or (lambda position: f"position {position}")
         # A step that straddles an epoch or window boundary alternates between two of each.
         self._epochs: OrderedDict[int, object] = OrderedDict()
         self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()
         self.work = 0  # positions computed so far (permutation evaluations and window members)
-        self.edges = self._resolve_edges() if self.bucketing and self.bucketing.mode == "budget" else {}
+        self.edges: dict[str, np.ndarray] = {}
+        self.layout: MixLayout | None = None
+        if self.bucketing and self.bucketing.mode == "budget":
+            if config.window_size is None:
+                self.window_size = self._budget_window()
+            if self.bucketing.edges is None and self.bucketing.bucket_streams is None:
+                self.layout = self._estimate_layout()
+            else:
+                self.edges = self._resolve_edges()
 
     @classmethod
     def from_index(cls, index: SampleIndex, config: PlanConfig) -> Plan:
@@ -149,6 +171,11 @@ class Plan:
             shard_sizes=index.shard_sizes, by_shard=index.by_shard, lengths=index.length_columns,
             describe=lambda position: f"{index.keys([position])[0]!r} (position {position})",
         )
+
+    def with_config(self, config: PlanConfig) -> Plan:
+        """The plan of another config over the same index (its lengths, shards and sample names)."""
+        return Plan(self.num_samples, config, index_fingerprint=self.index_fingerprint, shard_sizes=self._shard_sizes,
+                    by_shard=self._by_shard_given, lengths=self._lengths, describe=self._describe)
 
     @property
     def budget(self) -> float | None:
@@ -162,14 +189,35 @@ class Plan:
             raise ValueError("this plan has no length source")
         return stream_lengths(self._lengths(positions), cost or (self.bucketing.cost if self.bucketing else CostModel()))
 
+    def _probe_lengths(self) -> dict[str, np.ndarray]:
+        """Stream lengths of an even sample of the index (what bucket edges are estimated from)."""
+        probe = np.unique(np.linspace(0, self.num_samples - 1, min(self.num_samples, _EDGE_SAMPLE)).astype(np.int64))
+        return self.stream_lengths(probe)
+
+    def _budget_window(self) -> int:
+        """The default window in budget mode: about ``_WINDOW_MICRO_BATCHES`` micro-batches' worth of samples
+        (the budget over the mean sample cost), at least 65,536 and at most 524,288 samples."""
+        bucketing = self.bucketing
+        assert bucketing is not None
+        mean = float(np.mean(sample_costs(self._probe_lengths(), bucketing.cost)))
+        per_batch = bucketing.budget / max(mean, 1e-9)
+        return int(min(_MAX_WINDOW, max(_BUCKETED_WINDOW, round(_WINDOW_MICRO_BATCHES * per_batch))))
+
+    def _estimate_layout(self) -> MixLayout:
+        """Buckets per modality mix, secondary streams' cells sized for this plan's windows."""
+        bucketing = self.bucketing
+        assert bucketing is not None
+        window = self.num_samples / self.windows_per_epoch(0) if self.config.shuffle == "shard_block" else self.window_size
+        return estimate_mix_layout(self._probe_lengths(), bucketing.cost, bucketing.budget,
+                                   max(1, int(min(window, self.num_samples))), bucketing.num_buckets)
+
     def _resolve_edges(self) -> dict[str, np.ndarray]:
-        """Bucket edges: given in the config, or estimated from an even sample of the index."""
+        """Bucket edges on a grid of streams: given in the config, or estimated from an even sample of the index."""
         bucketing = self.bucketing
         assert bucketing is not None
         if bucketing.edges is not None:
             return {s: np.asarray(e, dtype=np.float64) for s, e in bucketing.edges.items()}
-        probe = np.unique(np.linspace(0, self.num_samples - 1, min(self.num_samples, _EDGE_SAMPLE)).astype(np.int64))
-        lengths = self.stream_lengths(probe)
+        lengths = self._probe_lengths()
         # Every weighted stream by default: a cell is then (length bucket or "absent") per stream, so
         # samples of different modality mixes never share a micro-batch (no rows of pure padding)
         # and a sample with two streams (image + text) gets a two-dimensional bucket.
@@ -193,10 +241,22 @@ class Plan:
             return int(self._epoch_state(epoch)[1][window + 1])  # type: ignore[index]
         return min((window + 1) * self.window_size, self.num_samples)
 
-    def window(self, epoch: int, window: int, start: int, *, budget: float | None = None, first_index: int = 0) -> WindowPlan:
-        """The micro-batches of ``window`` of ``epoch`` starting at stream offset ``start``."""
+    @property
+    def carry_limit(self) -> int:
+        """The most samples a window carries into the next (0 unless budget mode carries)."""
+        bucketing = self.bucketing
+        return bucketing.carry if bucketing is not None and bucketing.mode == "budget" else 0
+
+    def window(self, epoch: int, window: int, start: int, *, budget: float | None = None, first_index: int = 0,
+               carried: np.ndarray = _NOTHING) -> WindowPlan:
+        """The micro-batches of ``window`` of ``epoch`` starting at stream offset ``start``, with the ids
+        ``carried`` in from the window before (its ``WindowPlan.carry``) placed first."""
+        if len(carried) > self.carry_limit:
+            raise ValueError(f"{len(carried)} samples carried into a window; this plan carries at most {self.carry_limit}")
         own_end = max(start, self._nominal_end(epoch, window))
         own = self.stream(epoch, start, own_end)
+        if len(carried):
+            own = np.concatenate([np.asarray(carried, dtype=np.int64), own])
         look = self.stream(epoch, own_end, min(own_end + self._lookahead(), self.num_samples))
         budget = budget if budget is not None else self.budget
         packs: list[Pack | None]
@@ -210,15 +270,35 @@ class Plan:
         else:
             batches, costs, consumed = self._budget(own, look, budget)
             packs = [None] * len(batches)
+        next_start = own_end + consumed
+        carry = _NOTHING
+        if self.carry_limit and next_start < self.num_samples:
+            assert budget is not None
+            moved = light_to_carry(costs, [len(b) for b in batches], budget, self.carry_limit)
+            if moved:
+                carry = np.concatenate([batches[i] for i in moved])
+                kept = sorted(set(range(len(batches))) - set(moved))
+                batches, costs, packs = [batches[i] for i in kept], [costs[i] for i in kept], [packs[i] for i in kept]
         if self.bucketing is not None and len(batches) > 1:
-            # interleave lengths across the window
-            order = KeyedPermutation(len(batches), [self.config.seed, epoch, _TAG_ORDER, window])(np.arange(len(batches)))
+            order = self._deal_order(epoch, window, costs, budget, next_start >= self.num_samples)
             batches, costs, packs = [batches[i] for i in order], [costs[i] for i in order], [packs[i] for i in order]
         micro_batches = tuple(
             MicroBatch(epoch, first_index + i, window, b, c, p) for i, (b, c, p) in enumerate(zip(batches, costs, packs))
         )
-        next_start = own_end + consumed
-        return WindowPlan(epoch, window, start, budget, micro_batches, next_start, next_start >= self.num_samples)
+        return WindowPlan(epoch, window, start, budget, micro_batches, next_start, next_start >= self.num_samples, carry)
+
+    def _deal_order(self, epoch: int, window: int, costs: list[float], budget: float | None, last: bool) -> np.ndarray:
+        """The window's micro-batches shuffled (lengths interleave), in cost tiers when ``tier_width`` is set."""
+        bucketing = self.bucketing
+        assert bucketing is not None and budget is not None
+        shuffle = KeyedPermutation(len(costs), [self.config.seed, epoch, _TAG_ORDER, window])(np.arange(len(costs)))
+        if bucketing.tier_width is None:
+            return shuffle
+        # Tiers alternate direction window by window, so light tails meet light heads and heavy ones meet
+        # heavy ones; counted back from the epoch's last window, which runs costliest first: the light
+        # micro-batches it cannot carry then end the epoch.
+        descending = last or (self.windows_per_epoch(epoch) - 1 - window) % 2 == 0
+        return even_order(np.asarray(costs), budget, bucketing.tier_width, shuffle, descending=descending)
 
     def _lookahead(self) -> int:
         return self.bucketing.lookahead if self.bucketing else self.config.batch_size
@@ -245,6 +325,8 @@ class Plan:
         """Bucket ids: the grid cell of the sample's stream lengths, except that a sample with a single
         stream is bucketed by that presence alone: filling sorts a bucket by cost, which is the best
         one-dimensional bucketing there is, and finer cells would only leave more partly filled batches."""
+        if self.layout is not None:
+            return mix_buckets(lengths, self.layout)
         cells = assign_buckets(lengths, self.edges)
         present = np.stack([lengths[s] > 0 for s in self.edges], axis=1) if self.edges else np.zeros((len(cells), 0), bool)
         mask = (present.astype(np.int64) << np.arange(present.shape[1], dtype=np.int64)).sum(axis=1)

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnifeed.bucketing import CostModel, OverBudgetError, assemble_budget, assemble_fixed, assign_buckets, padded_cost
+from omnifeed.bucketing import (
+    CostModel,
+    OverBudgetError,
+    assemble_budget,
+    assemble_fixed,
+    assign_buckets,
+    light_to_carry,
+    padded_cost,
+)
 
 MODEL = CostModel(quadratic=0.001)
 
@@ -63,3 +71,11 @@ def test_fixed_chunks_top_up_only_the_last_from_the_lookahead() -> None:
     assert [b.tolist() for b in result.batches] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 100, 101]]
     assert result.consumed == 2
     assert assemble_fixed(np.arange(8), 4, np.arange(100, 110)).consumed == 0
+
+
+def test_only_light_leftovers_with_room_are_carried_lightest_first_within_the_limit() -> None:
+    costs, sizes = [90.0, 10.0, 60.0, 30.0, 40.0], [9, 1, 1, 3, 4]
+    # 90 is not light; 60 alone has no room for another like it (120 > 100); then 10, 30, 40 within 8 samples
+    assert light_to_carry(costs, sizes, 100.0, limit=8) == [1, 3, 4]
+    assert light_to_carry(costs, sizes, 100.0, limit=4) == [1, 3]
+    assert light_to_carry(costs, sizes, 100.0, limit=0) == []

@@ -16,7 +16,7 @@ from omnifeed.loader.plan import Plan, PlanConfig, PlanCursor, steps_left_in_epo
 from omnifeed.loader.plan._cursor import DealingStopped
 
 DOCUMENTED_KEYS = {"format", "index_fingerprint", "config_fingerprint", "topology_version", "world_size", "grad_accum",
-                   "step", "epoch", "window", "window_start", "offset", "micro_batch", "budget", "next_budget"}
+                   "step", "epoch", "window", "window_start", "carried", "offset", "micro_batch", "budget", "next_budget"}
 
 
 def plan(num_samples: int = 50, batch_size: int = 4, fingerprint: str = "index-a", **config: Any) -> Plan:
@@ -49,6 +49,8 @@ def test_the_state_is_small_json_with_the_documented_keys_at_every_step() -> Non
     (lambda s: s | {"window": True}, ValueError, "window must be a non-negative integer, got True"),
     (lambda s: s | {"budget": 512.0}, ValueError, "budget 512.0 does not fit this plan's batching"),
     (lambda s: s | {"window_start": 10**9}, ValueError, "outside this index"),
+    (lambda s: s | {"carried": "3,4"}, ValueError, "carried must be a list of sample positions, got 3,4"),
+    (lambda s: s | {"carried": [3]}, ValueError, "plan state carries 1 samples; this plan carries at most 0"),
 ])
 def test_loading_is_strict_names_what_is_wrong_and_never_changes_the_callers_dict(change: Any, error: type, named: str) -> None:
     source = PlanCursor(plan(), world_size=2)

@@ -61,8 +61,11 @@ def _free_synthetic_indexes() -> Iterator[None]:
 
 
 def _config(batching: str, **config: object) -> PlanConfig:
-    if batching == "budget":
-        config["bucketing"] = BucketingConfig(budget=4096, num_buckets=4, lookahead=16, overlong="alone")
+    if batching.startswith("budget"):  # dealt in cost tiers (the default), or shuffled across the window
+        # light leftovers carried to the next window (the default: up to 256 samples; "budget_carry_few": 3)
+        config["bucketing"] = BucketingConfig(budget=4096, num_buckets=4, lookahead=16, overlong="alone",
+                                              tier_width=None if batching == "budget_shuffled" else 0.02,
+                                              carry=3 if batching == "budget_carry_few" else 256)
     elif batching == "packing":
         config["bucketing"] = BucketingConfig(mode="packing", budget=512, overlong="split", lookahead=16)
     return PlanConfig(**config)
@@ -87,6 +90,7 @@ def _deal(plan: Plan, cursor: PlanCursor, steps: int, out: Delivered) -> None:
                 assert mb.positions.size > 0, "no rank ever gets an empty micro-batch"
                 segments = tuple((s.start, s.stop) for s in mb.pack.segments) if mb.pack else ()
                 out.append((step.step, rank, mb.epoch, tuple(mb.positions.tolist()), segments))
+        assert len(cursor.carried) <= plan.carry_limit
 
 
 def _epoch_positions(plan: Plan, epoch: int) -> list[int]:
@@ -146,8 +150,8 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None)
 @given(
     num_samples=st.integers(1, 300), batch_size=st.integers(1, 16), shuffle=st.sampled_from(["permutation", "shard_block", "none"]),
-    batching=st.sampled_from(["fixed", "budget", "packing"]), window_size=st.integers(1, 80),
-    start_epoch=st.integers(0, 2), schedule=ops,
+    batching=st.sampled_from(["fixed", "budget", "budget_shuffled", "budget_carry_few", "packing"]),
+    window_size=st.integers(1, 80), start_epoch=st.integers(0, 2), schedule=ops,
 )
 def test_any_resumes_and_resizes_deliver_each_sample_exactly_once(
     num_samples: int, batch_size: int, shuffle: str, batching: str, window_size: int, start_epoch: int,
@@ -178,7 +182,8 @@ def test_any_resumes_and_resizes_deliver_each_sample_exactly_once(
 @settings(max_examples=100, deadline=None)
 @given(num_samples=st.integers(1, 400), batch_size=st.integers(1, 12), world_size=st.integers(1, 6),
        grad_accum=st.integers(1, 3), stop_after=st.integers(0, 20), total=st.integers(1, 30),
-       batching=st.sampled_from(["fixed", "budget", "packing"]), window_size=st.integers(1, 80))
+       batching=st.sampled_from(["fixed", "budget", "budget_shuffled", "budget_carry_few", "packing"]),
+       window_size=st.integers(1, 80))
 def test_a_resumed_run_emits_exactly_what_an_uninterrupted_run_would(
     num_samples: int, batch_size: int, world_size: int, grad_accum: int, stop_after: int, total: int,
     batching: str, window_size: int,

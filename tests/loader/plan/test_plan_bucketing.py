@@ -10,7 +10,7 @@ from test_plan import FP, synthetic_lengths
 
 from omnifeed.bucketing import BucketingConfig, CostModel, padded_cost
 from omnifeed.loader import OmnifeedError, Plan, PlanConfig, PlanCursor
-from omnifeed.loader.plan._report import PlanReport
+from omnifeed.loader.plan import PlanReport, alone_costs, budget_guidance, suggest_budget
 
 N = 3000
 
@@ -112,3 +112,94 @@ def test_cost_model_weights_change_the_budget_accounting() -> None:
     heavy_text = _plan(budget=20000, overlong="alone", cost=CostModel(weights={"text": 4.0, "image": 1.0}))
     light_text = _plan(budget=20000, overlong="alone")
     assert len(_epoch(heavy_text)) > len(_epoch(light_text))
+
+
+def _balance(plan: Plan, world_size: int) -> dict[str, float]:
+    report, cursor = PlanReport(plan), PlanCursor(plan, world_size=world_size)
+    while not cursor.epoch_delivered(0):
+        report.add(cursor.next_step())
+    return report.stats()["balance_max_over_mean"]
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 8])
+def test_cost_tiers_make_steps_even_at_any_world_size(world_size: int) -> None:
+    tiers = _balance(_plan(budget=20000, overlong="alone", window_size=N), world_size)
+    shuffled = _balance(_plan(budget=20000, overlong="alone", window_size=N, tier_width=None), world_size)
+    assert tiers["mean"] < 1.05 and tiers["mean"] <= shuffled["mean"] + 0.005
+
+
+def test_light_leftovers_are_absorbed_or_merged_within_budget() -> None:
+    plan = _plan(budget=20000, overlong="alone", window_size=N)
+    costs = [mb.cost for mb in _epoch(plan)]
+    assert sum(cost < 0.5 * 20000 for cost in costs) <= 3, "at most a few light micro-batches per window"
+
+
+def test_budget_guidance_counts_samples_over_budget_and_the_budgets_that_hold_them() -> None:
+    plan = _plan(budget=600, overlong="alone")
+    costs = alone_costs(plan)
+    guidance = budget_guidance(plan, costs)
+    assert guidance["samples_over_budget"] == int((costs > 600).sum()) > 0
+    assert guidance["budget_holding_100"] == np.ceil(costs.max())
+    assert (costs <= guidance["budget_holding_99"]).mean() >= 0.99
+
+
+def test_suggest_budget_hits_the_samples_per_micro_batch_asked_for() -> None:
+    suggestion = suggest_budget(_plan(budget=20000, overlong="alone"), 12)
+    assert 11 <= suggestion["samples_per_micro_batch"] <= 13
+    with pytest.raises(ValueError, match="1 or more"):
+        suggest_budget(_plan(budget=20000), 0.5)
+
+
+def _windows(plan: Plan) -> list:
+    """Epoch 0's window plans, each planned with what the one before carried into it."""
+    out, window, start, carried = [], 0, 0, np.empty(0, dtype=np.int64)
+    while True:
+        planned = plan.window(0, window, start, carried=carried)
+        out.append((carried, planned))
+        if planned.last:
+            return out
+        window, start, carried = window + 1, planned.next_start, planned.carry
+
+
+def test_light_leftovers_are_carried_to_the_next_window_and_only_the_epochs_last_keeps_any() -> None:
+    budget = 20000
+    plan = _plan(budget=budget, overlong="alone", window_size=400)
+    windows = _windows(plan)
+    assert any(p.carry.size for _, p in windows), "this mix leaves light leftovers to carry"
+    assert windows[-1][1].carry.size == 0
+    for carried, planned in windows:
+        dealt = np.concatenate([mb.positions for mb in planned.micro_batches] + [planned.carry])
+        assert set(carried.tolist()) <= set(dealt.tolist()), "what is carried in is dealt or carried on"
+        if not planned.last:  # no leftover with room for another sample stays behind
+            assert all(mb.cost >= 0.75 * budget or mb.cost * (mb.positions.size + 1) / mb.positions.size > budget
+                       for mb in planned.micro_batches)
+    seen = np.concatenate([mb.positions for _, p in windows for mb in p.micro_batches])
+    assert sorted(seen.tolist()) == list(range(N))
+
+
+def test_carrying_evens_the_steps_and_off_restores_the_old_plan() -> None:
+    carried = _balance(_plan(budget=20000, overlong="alone", window_size=400), 4)
+    kept = _balance(_plan(budget=20000, overlong="alone", window_size=400, carry=0), 4)
+    assert carried["worst"] < kept["worst"]
+    assert all(p.carry.size == 0 for _, p in _windows(_plan(budget=20000, overlong="alone", window_size=400, carry=0)))
+
+
+def test_a_state_with_carried_ids_resumes_exactly_and_bad_carried_ids_are_refused_in_one_line() -> None:
+    plan = _plan(budget=20000, overlong="alone", window_size=400, carry=64)
+    cursor = PlanCursor(plan, world_size=2)
+    while not cursor.carried.size:
+        cursor.next_step()
+    state = json.loads(json.dumps(cursor.state_dict()))
+    assert 0 < len(state["carried"]) <= 64
+    resumed = PlanCursor(_plan(budget=20000, overlong="alone", window_size=400, carry=64), world_size=3)
+    resumed.load_state_dict(state)
+    first, second = [], []
+    for source, out in ((cursor, first), (resumed, second)):
+        while not source.epoch_delivered(0):
+            out.extend(mb.positions.tolist() for mb in source.next_step().micro_batches if mb.epoch == 0)
+    assert first == second
+    for bad, named in ((state["carried"][:1] * 2, "repeated positions"), ([N], "outside this index"),
+                       (list(range(65)), "carries at most 64"), ([True], "list of sample positions")):
+        with pytest.raises(ValueError, match=named) as raised:
+            PlanCursor(plan).load_state_dict(state | {"carried": bad})
+        assert "\n" not in str(raised.value)
