@@ -6,10 +6,13 @@
    ``--workers`` bare processes, no loader: the most any loader could reach here;
 2. ``DataLoader`` (map-style dataset over the index, ``num_workers=--workers``, batches of
    ``--batch-size``) with Pillow decoding at full size then resizing (``draft=False``);
-3. ``Feed`` with the same decode code (``draft=False``) in ``--workers`` image threads (the
-   default), and in ``--workers`` image processes (``PoolConfig.processes``) for comparison;
-4. ``Feed`` with omnifeed's image path (``draft=True``: JPEG DCT-domain downscaling), threads;
-5. ``Feed`` over a mixed four-modality dataset (the demo generator), for per-modality figures.
+3. ``Feed`` with the same decode code (``draft=False``) in ``--workers`` image threads, in
+   ``--workers`` image processes writing into shared memory (``PoolConfig.processes``, the
+   default ``shared_memory``), and in processes that pickle their arrays through the pipe
+   (``shared_memory=False``, the path before issue 19);
+4. ``Feed`` with omnifeed's image path (``draft=True``: JPEG DCT-domain downscaling), threads and processes;
+5. ``Feed`` over a mixed four-modality dataset (the demo generator), for per-modality figures:
+   the default pools, every modality in threads, and every modality in ``--workers`` processes.
 
 Each runs one epoch; reported: samples/s, CPU seconds per sample, ratio to DataLoader and
 to the decode limit. Prints one JSON object.
@@ -109,13 +112,14 @@ def image_runs(index_path: str, samples: int, workers: int, batch_size: int) -> 
             pass
     results.append(_measure("dataloader", dataloader, samples))
 
-    for processes, draft in ((0, False), (0, True), (workers, False)):
+    for processes, shared, draft in ((0, True, False), (workers, True, False), (workers, False, False),
+                                     (0, True, True), (workers, True, True)):
         def feed() -> dict:
             config = FeedConfig(
                 plan=PlanConfig(seed=0, batch_size=batch_size),
                 decode=DecodeConfig(image=ImageDecodeConfig(**_IMAGE, draft=draft)),
                 pools={"image": PoolConfig(workers=2 * workers if processes else workers, processes=processes,
-                                           buffer_samples=4 * batch_size),
+                                           shared_memory=shared, buffer_samples=4 * batch_size),
                        "text": PoolConfig(workers=1), "meta": PoolConfig(workers=0)},
                 shared_workers=0,
             )
@@ -123,25 +127,41 @@ def image_runs(index_path: str, samples: int, workers: int, batch_size: int) -> 
                 for _ in f:
                     pass
                 return {"consumer_wait_s": round(f.metrics()["consumer_wait_s"], 3)}
-        kind = f"{processes}_processes" if processes else "threads"
+        kind = (f"{processes}_processes" + ("" if shared else "_pipe")) if processes else "threads"
         results.append(_measure(f"feed_{kind}_draft_{draft}", feed, samples))
     return results
 
 
-def mixed_run(work: Path, samples: int) -> dict:
-    """The four-modality demo dataset through the feed: per-modality rates and the consumer's wait."""
+def _mixed_pools(kind: str, workers: int) -> tuple[dict[str, PoolConfig], int]:
+    if kind == "threads":
+        return {m: PoolConfig(workers=1) for m in ("image", "video", "audio", "text")} | {"meta": PoolConfig(workers=0)}, 1
+    if kind == "processes":
+        return ({m: PoolConfig(workers=2 * workers, processes=workers) for m in ("image", "video", "audio", "text")}
+                | {"meta": PoolConfig(workers=0)}, 0)
+    return FeedConfig().pools, FeedConfig().shared_workers
+
+
+def mixed_run(work: Path, samples: int, workers: int) -> dict:
+    """The four-modality demo dataset through the feed (default pools, all threads, all processes):
+    per-modality decode latency, rates and the consumer's wait."""
     shards = write_webdataset(work / "mixed", DemoDatasetSpec(num_samples=samples, num_shards=4))
     index = build_index([str(p) for p in shards], work / "mixed-index", IndexConfig(workers=1), progress=False)
-    with Feed(index.path, FeedConfig(plan=PlanConfig(seed=0, batch_size=16))) as feed:
-        start = time.perf_counter()
-        for _ in feed:
-            pass
-        seconds = time.perf_counter() - start
-        metrics = feed.metrics()
-    return {"samples": samples, "seconds": round(seconds, 3), "samples_per_s": round(samples / seconds, 1),
-            "consumer_wait_s": round(metrics["consumer_wait_s"], 3),
-            "modalities": {m: {"decoded": v["decoded"], "p50_ms": round(v["decode_latency_s"]["p50"] * 1e3, 2)}
-                           for m, v in metrics["modalities"].items()}}
+    runs = {}
+    for kind in ("default", "threads", "processes"):
+        pools, shared = _mixed_pools(kind, workers)
+        with Feed(index.path, FeedConfig(plan=PlanConfig(seed=0, batch_size=16), pools=pools,
+                                         shared_workers=shared)) as feed:
+            cpu, start = _cpu(), time.perf_counter()
+            for _ in feed:
+                pass
+            seconds = time.perf_counter() - start
+            metrics = feed.metrics()
+        runs[kind] = {"samples": samples, "seconds": round(seconds, 3), "samples_per_s": round(samples / seconds, 1),
+                      "cpu_ms_per_sample": round((_cpu() - cpu) / samples * 1e3, 2),
+                      "consumer_wait_s": round(metrics["consumer_wait_s"], 3),
+                      "modalities": {m: {"decoded": v["decoded"], "p50_ms": round(v["decode_latency_s"]["p50"] * 1e3, 2)}
+                                     for m, v in metrics["modalities"].items()}}
+    return runs
 
 
 def main() -> None:
@@ -162,7 +182,7 @@ def main() -> None:
             r["vs_dataloader"] = round(r["samples_per_s"] / base, 3)
             r["vs_decode_limit_same_code"] = round(r["samples_per_s"] / limit, 3)
         report = {"cpus": os.cpu_count(), "images": args.images, "workers": args.workers,
-                  "batch_size": args.batch_size, "image": runs, "mixed": mixed_run(work, args.mixed)}
+                  "batch_size": args.batch_size, "image": runs, "mixed": mixed_run(work, args.mixed, args.workers)}
         print(json.dumps(report, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -1,9 +1,12 @@
 """The service's batch hand-off (service → `FeedClient`) against torch's DataLoader (worker → main process), in one run.
 
-    python benchmarks/bench_handoff.py [--sizes-mb 10 150] [--gb-per-run 4] [--warmup 12] [--rounds 3] [--quick]
+    python benchmarks/bench_handoff.py [--sizes-mb 10 150] [--tensors 3] [--gb-per-run 4] [--warmup 12] [--rounds 3]
+                                       [--no-dataloader] [--quick]
 
-For each batch size (image batches: uint8 ``[n, 3, 224, 224]`` with ``n`` the images that make
-the size, plus the feed format's ``sizes``/``index`` int64 side tensors, ``__key__``, ``__info__``):
+For each batch size and tensor count (image batches: uint8 ``[n, 3, 224, 224]`` with ``n`` the
+images that make the size, plus the feed format's ``sizes``/``index`` int64 side tensors,
+``__key__``, ``__info__``; ``--tensors T`` above 3 adds ``T - 3`` int meta fields, each an int64
+``[n]`` tensor of the batch):
 
 1. ``service``: a real `FeedService` in its own process (multiprocessing ``spawn``) over a
    generated image index (one tiny JPEG repeated, 16 batches of the largest size; plan:
@@ -76,10 +79,12 @@ BATCHES_PER_EPOCH = 16  # of the largest batches: the plan computes an epoch's o
 
 
 # -- the data --------------------------------------------------------------------------------
-def pictures(n: int, seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` decoded image samples (feed format: ``{"image": uint8 [3, 224, 224]}``), distinct memory each."""
+def pictures(n: int, seed: int = 0, tensors: int = 3) -> list[dict[str, Any]]:
+    """``n`` decoded image samples (feed format: ``{"image": uint8 [3, 224, 224]}``), distinct memory each; with
+    ``tensors - 3`` int meta fields (each a tensor of the collated batch)."""
     block = np.random.default_rng(seed).integers(0, 256, (n, *PICTURE), dtype=np.uint8)
-    return [{"image": block[i]} for i in range(n)]
+    meta = {f"field{j:02d}": j for j in range(max(0, tensors - 3))}
+    return [{"image": block[i], "meta": dict(meta)} if meta else {"image": block[i]} for i in range(n)]
 
 
 def write_index(work: Path, count: int) -> Path:
@@ -129,11 +134,11 @@ def premade_take(samples: list[dict[str, Any]], keys: list[str]) -> Callable[[Fe
     return take
 
 
-def serve(index: str, socket_path: str, n: int, conn: Connection) -> None:
+def serve(index: str, socket_path: str, n: int, tensors: int, conn: Connection) -> None:
     """The service process: a `FeedService` whose feeds deal pre-decoded pictures; stops when ``conn`` says so."""
     every = SampleIndex(index)
     keys = every.keys(np.arange(every.num_samples))
-    Feed.take = premade_take(pictures(n), keys)  # type: ignore[method-assign]
+    Feed.take = premade_take(pictures(n, tensors=tensors), keys)  # type: ignore[method-assign]
     config = ServiceConfig(index=index, socket=socket_path,
                            feed=FeedConfig(plan=PlanConfig(batch_size=n, drop_last=True, seed=0)))
     with FeedService(config):
@@ -144,10 +149,10 @@ def serve(index: str, socket_path: str, n: int, conn: Connection) -> None:
 class ServiceProcess:
     """A `FeedService` in a spawned process, for ``n``-picture batches over ``index``."""
 
-    def __init__(self, index: Path, socket_path: str, n: int) -> None:
+    def __init__(self, index: Path, socket_path: str, n: int, tensors: int = 3) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=serve, args=(str(index), socket_path, n, child), daemon=True)
+        self.process = ctx.Process(target=serve, args=(str(index), socket_path, n, tensors, child), daemon=True)
         self.process.start()
         if not self._conn.poll(120) or self._conn.recv() != "ready":
             self.close()
@@ -284,10 +289,10 @@ def run_copies(samples: list[dict[str, Any]], repeats: int) -> dict[str, float]:
 
 
 # -- the run ----------------------------------------------------------------------------------
-def compare(n: int, index: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    samples = pictures(n)  # the same pictures as the service's (same seed)
+def compare(n: int, tensors: int, index: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    samples = pictures(n, tensors=tensors)  # the same pictures as the service's (same seed)
     expected = int(samples[0]["image"].reshape(-1)[0])
-    service = ServiceProcess(index, str(work / "sock" / "feed.sock"), n)
+    service = ServiceProcess(index, str(work / "sock" / "feed.sock"), n, tensors)
     client = FeedClient(str(work / "sock" / "feed.sock"))
     try:
         first = client.next_batch()
@@ -299,47 +304,59 @@ def compare(n: int, index: Path, work: Path, args: argparse.Namespace) -> dict[s
         copies: list[dict[str, float]] = []
         for _ in range(args.rounds):
             rounds["service"].append(run_service(client, service, batches, args.warmup, expected))
-            rounds["dataloader"].append(run_dataloader(dataset, args.workers, batches, args.warmup, expected))
+            if not args.no_dataloader:
+                rounds["dataloader"].append(run_dataloader(dataset, args.workers, batches, args.warmup, expected))
             copies.append(run_copies(samples, max(4, min(batches, 40))))
     finally:
         client.close()
         service.close()
-    result: dict[str, Any] = {"images": n, "batch_bytes": nbytes, "batches": batches, "warmup": args.warmup}
+    result: dict[str, Any] = {"images": n, "tensors": tensors, "batch_bytes": nbytes, "batches": batches,
+                              "warmup": args.warmup}
     for name in ("memcpy", "stack"):
         result[name] = {"gb_per_s": statistics.median(c[name] for c in copies), "rounds": [c[name] for c in copies]}
     for name, runs in rounds.items():
+        if not runs:
+            continue
         result[name] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         result[name]["rounds_gb_per_s"] = [r["gb_per_s"] for r in runs]
         result[name]["rounds_cpu_ms_per_batch"] = [r["cpu_ms_per_batch"] for r in runs]
-    base = result["dataloader"]
+    base = result.get("dataloader")
     for name in ("memcpy", "stack", "service", "dataloader"):
-        result[name]["gb_per_s_vs_dataloader"] = result[name]["gb_per_s"] / base["gb_per_s"]
-    result["service"]["cpu_vs_dataloader"] = result["service"]["cpu_ms_per_batch"] / base["cpu_ms_per_batch"]
+        if name in result:
+            result[name]["gb_per_s_vs_dataloader"] = result[name]["gb_per_s"] / base["gb_per_s"] if base else math.nan
+    if base:
+        result["service"]["cpu_vs_dataloader"] = result["service"]["cpu_ms_per_batch"] / base["cpu_ms_per_batch"]
     result["service"]["gb_per_s_vs_memcpy"] = result["service"]["gb_per_s"] / result["memcpy"]["gb_per_s"]
     return result
 
 
 def table(results: dict[str, Any]) -> str:
     lines = ["| batch | what | GB/s | vs DataLoader | trainer CPU ms/batch (loop) | in next(): process / thread ms "
-             "| producer CPU ms/batch |", "|---|---|---:|---:|---:|---:|---:|"]
-    for mb, r in results["sizes"].items():
-        label = f"{r['batch_bytes'] / 1e6:.1f} MB ({r['images']} images)"
+             "| in next(): process ms, median | producer CPU ms/batch |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in results["sizes"].values():
+        label = f"{r['batch_bytes'] / 1e6:.1f} MB ({r['images']} images, {r.get('tensors', 3)} tensors)"
         for name in ("memcpy", "stack", "service", "dataloader"):
+            if name not in r:
+                continue
             row = r[name]
             if "cpu_ms_per_batch" in row:
                 cpu = f"{row['cpu_ms_per_batch']:.3f}"
                 inner = f"{row['next_cpu_ms']:.3f} / {row['next_thread_ms']:.3f}"
+                median = f"{row['next_cpu_ms_p50']:.3f}"
                 producer = f"{row['producer_cpu_ms_per_batch']:.1f}"
             else:
-                cpu = inner = producer = "—"
+                cpu = inner = median = producer = "—"
             lines.append(f"| {label} | {name} | {row['gb_per_s']:.2f} | {row['gb_per_s_vs_dataloader']:.2f} | {cpu} "
-                         f"| {inner} | {producer} |")
+                         f"| {inner} | {median} | {producer} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[10.0, 150.0], help="batch sizes, MB (1e6 bytes)")
+    parser.add_argument("--tensors", type=int, nargs="+", default=[3],
+                        help="tensors per batch (3: the image's; more: int meta fields)")
+    parser.add_argument("--no-dataloader", action="store_true", help="measure the service hand-off alone")
     parser.add_argument("--gb-per-run", type=float, default=4.0, help="tensor bytes each loader moves per round, GB")
     parser.add_argument("--min-batches", type=int, default=20, help="measured batches per round at least")
     parser.add_argument("--warmup", type=int, default=12, help="batches taken before measuring (segments, workers)")
@@ -356,8 +373,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="omnifeed-bench-handoff-") as tmp:
         index = write_index(Path(tmp), BATCHES_PER_EPOCH * max(counts.values()))
         for mb, n in counts.items():
-            (Path(tmp) / f"{mb:g}").mkdir()
-            results["sizes"][f"{mb:g}"] = compare(n, index, Path(tmp) / f"{mb:g}", args)
+            for tensors in args.tensors:
+                name = f"{mb:g}" if tensors == 3 else f"{mb:g}x{tensors}"
+                (Path(tmp) / name).mkdir()
+                results["sizes"][name] = compare(n, tensors, index, Path(tmp) / name, args)
     text = json.dumps(results, indent=1)
     args.out.write_text(text + "\n")
     print(text)

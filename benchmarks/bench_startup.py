@@ -10,8 +10,11 @@
 3. ``serve``: ``omnifeed serve --config`` of a small index (the demo dataset, 48 samples in 3
    WebDataset shards, built once in a temporary folder) in a fresh process; measured from the
    launch to the first accepted connection on its socket (``listening``) and to the first
-   answered metrics request (``answering``, what ``wait_until_serving`` waits for); then the
-   service is asked for nothing else and stopped with SIGTERM. Whether ``libtorch`` is mapped in
+   answered metrics request (``answering``, what ``wait_until_serving`` waits for); then a
+   `FeedClient` in this process (torch already imported here) says hello and takes its first
+   batch: ``first_batch`` is from its hello to that batch (the service opens the rank's stream,
+   plans, reads and decodes the first micro-batch; the shards are in the page cache from the
+   warm-up launch). Then the service is stopped with SIGTERM. Whether ``libtorch`` is mapped in
    the service process at that point is reported.
 
 ``--checkout DIR``: measure another checkout of omnifeed (a folder holding ``omnifeed/loader``,
@@ -121,6 +124,7 @@ def serve_once(config: Path, address: str, env: dict[str, str]) -> dict[str, Any
                 answering = time.perf_counter() - started
             else:
                 time.sleep(0.005)
+        first_batch = first_batch_after_hello(address)
         torch = "libtorch" in Path(f"/proc/{process.pid}/maps").read_text()
     finally:
         process.send_signal(signal.SIGTERM)
@@ -129,7 +133,19 @@ def serve_once(config: Path, address: str, env: dict[str, str]) -> dict[str, Any
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-    return {"listening": listening, "answering": answering, "torch_loaded": torch}
+    return {"listening": listening, "answering": answering, "first_batch": first_batch, "torch_loaded": torch}
+
+
+def first_batch_after_hello(address: str) -> float:
+    """Seconds from a new client's hello (its connection included) to its first batch."""
+    import torch  # noqa: F401  (a trainer has it loaded before it asks for data)
+
+    from omnifeed.trainer_adapter import FeedClient
+
+    with FeedClient(address) as client:
+        started = time.perf_counter()
+        client.next_batch()
+        return time.perf_counter() - started
 
 
 def main() -> None:
@@ -159,6 +175,7 @@ def main() -> None:
         runs = [serve_once(config, address, env) for _ in range(args.runs)]
     result["serve_listening"] = summary([r["listening"] for r in runs])
     result["serve_answering"] = summary([r["answering"] for r in runs])
+    result["first_batch_after_hello"] = summary([r["first_batch"] for r in runs])
     result["serve_torch_loaded"] = any(r["torch_loaded"] for r in runs)
     result["load_after"] = os.getloadavg()[0]
     text = json.dumps(result, indent=2)

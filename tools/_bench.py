@@ -28,6 +28,7 @@ import psutil
 from omnifeed.loader import IndexConfig, build_index
 
 from ._bench_loaders import IMAGE_ONLY, LOADERS, PIPELINES, REQUIRES, RunSpec, SampleDecoder, decode_config, folder_samples
+from ._bench_node import run_node
 from ._demo_data import DemoDatasetSpec, encode_image, write_folder, write_webdataset
 
 
@@ -47,6 +48,7 @@ class BenchConfig:
     python: str = sys.executable
     timeout_s: float = 1800.0
     limit_seconds: float = 3.0  # how long the decode limit is measured per pipeline
+    node_ranks: int = 2  # trainer ranks of the node scenario (`_bench_node`; 0: not run)
 
 
 @dataclass
@@ -312,6 +314,14 @@ def run_bench(config: BenchConfig, log: Any = None) -> dict[str, Any]:
     limits = {p: decode_limit(d, config.workers, config.limit_seconds) for p, d in datasets.items()}
     rows = run_all(config, datasets, log)
     add_ratios(rows, limits)
+    node: list[dict[str, Any]] = []
+    if config.node_ranks > 0 and "image" in datasets and {"dataloader", "omnifeed-service"} <= set(config.loaders):
+        image = datasets["image"]
+        work = config.work / "runs" / "node"
+        work.mkdir(parents=True, exist_ok=True)
+        spec = RunSpec("omnifeed-service", "image", config.workers, config.batch_size, image.shards, image.folder,
+                       image.index, str(work), "", image.samples)
+        node = run_node(spec, config.node_ranks, config.rounds, config.python, log)
     return {
         "machine": {"cpus": os.cpu_count(), "python": config.python},
         "settings": {"images": config.images, "mixed": config.mixed, "workers": config.workers,
@@ -319,6 +329,7 @@ def run_bench(config: BenchConfig, log: Any = None) -> dict[str, Any]:
                      "data": str(config.data) if config.data else "generated"},
         "decode_limit": limits,
         "rows": [{k: v for k, v in asdict(r).items() if k != "rounds"} | {"rounds": len(r.rounds)} for r in rows],
+        "node": node,
     }
 
 

@@ -22,6 +22,20 @@ def render_table(report: dict[str, Any]) -> str:
             limit_ratio = f"{row['vs_decode_limit']:.2f}" if row["vs_decode_limit"] is not None else "—"
             lines.append(f"| {row['loader']} | {row['samples_per_s']:.0f} | {row['cpu_s_per_sample'] * 1e3:.1f} | "
                          f"{row['first_batch_s']:.2f} | {row['peak_pss_mib']:.0f} | {ratio} | {limit_ratio} |")
+    if report.get("node"):
+        lines += ["\nnode: trainer ranks on one node, one service against a DataLoader per rank (image pipeline; "
+                  "dp: data-parallel ranks, rate summed; tp: tensor-parallel peers of one rank, a step's rate)\n",
+                  "| layout | ranks | loader | samples/s | per rank | first batch s | service start s | vs DataLoader |",
+                  "|---|---:|---|---:|---|---:|---:|---:|"]
+        for row in report["node"]:
+            if row["status"] != "ok":
+                lines.append(f"| {row['layout']} | {row['ranks']} | {row['loader']} | {row['status']} | | | | |")
+                continue
+            start = f"{row['service_start_s']:.2f}" if row.get("service_start_s") is not None else "—"
+            ratio = f"{row['vs_dataloader']:.2f}×" if row.get("vs_dataloader") is not None else "—"
+            per_rank = " / ".join(f"{r:.0f}" for r in row["rank_samples_per_s"])
+            lines.append(f"| {row['layout']} | {row['ranks']} | {row['loader']} | {row['samples_per_s']:.0f} | {per_rank} | "
+                         f"{row['first_batch_s']:.2f} | {start} | {ratio} |")
     return "\n".join(lines)
 
 

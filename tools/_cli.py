@@ -92,6 +92,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="YAML service config (index, feed, socket, metrics_port, ...)")
     serve.add_argument("--socket", help="Unix socket path (overrides the config's)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (overrides the config's; 0: any free)")
+    serve.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                       help="decode on a Ray cluster as well (default: auto): the address of every pools.*.remote, "
+                       "or 2 actors each for image, video and audio when none is configured; needs Ray installed")
     serve.set_defaults(run=_run_serve)
 
     index = _command(sub, "index", "scan sources into a hash-partitioned sample index",
@@ -161,6 +164,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="a sample over the budget: reject (error), alone (own micro-batch), split (packing)")
     plan.add_argument("--stats", action="store_true", help="print one JSON object: padding, balance, and the same for fixed-size batches")
     plan.add_argument("--worst", type=int, metavar="N", help="print the N costliest micro-batches (JSON lines)")
+    plan.add_argument("--suggest-budget", type=float, metavar="N",
+                      help="print the cost budget whose micro-batches hold N samples on average (JSON); "
+                           "the cost model comes from --config")
     plan.add_argument("--config", help="YAML file; its 'plan' section is a PlanConfig")
     plan.add_argument("--steps", type=int, help="steps to deal (default: until the epoch is fully delivered)")
     plan.add_argument("--resume", metavar="STATE_JSON", help="continue from a saved state (any world size)")
@@ -216,6 +222,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--resume-samples", type=int, default=10_000_000, metavar="N",
                        help="index size of the resume-cost comparison (0: skip it; default 10,000,000)")
     bench.add_argument("--out", default="bench-output", help="working directory (recreated): data, report.json, bench.png")
+    bench.add_argument("--node-ranks", type=int, default=2, metavar="N",
+                       help="trainer ranks of the node scenario: N data-parallel ranks, then N tensor-parallel peers, "
+                       "one service against a DataLoader per rank (0: skip; default 2)")
     bench.add_argument("--quick", action="store_true", help="tiny sizes: checks the harness, not speed (the test suite's)")
     bench.set_defaults(run=_run_bench)
 
@@ -273,7 +282,8 @@ def _run_bench(args: argparse.Namespace) -> int:
     sizes = dict(images=64, mixed=32, batch_size=16, limit_seconds=0.5) if args.quick else dict(
         images=args.images, mixed=args.mixed, batch_size=args.batch_size)
     config = BenchConfig(work=Path(args.out), workers=args.workers, rounds=args.rounds, loaders=loaders,
-                         pipelines=pipelines, data=Path(args.data) if args.data else None, **sizes)
+                         pipelines=pipelines, data=Path(args.data) if args.data else None,
+                         node_ranks=max(0, args.node_ranks), **sizes)
     resume = min(args.resume_samples, 20_000) if args.quick else args.resume_samples
     return bench_command(config, resume_samples=resume)
 
@@ -305,6 +315,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("socket", args.socket), ("metrics_port", args.metrics_port)) if v is not None}
     if overrides:
         config = config.model_copy(update=overrides)
+    if args.ray is not None:
+        config = _with_ray(config, args.ray)
     service = FeedService(config)
     stop = threading.Event()
 
@@ -332,6 +344,17 @@ def _run_serve(args: argparse.Namespace) -> int:
         service.stop()
     print("omnifeed: service stopped", flush=True)
     return 0
+
+
+def _with_ray(config: Any, address: str) -> Any:
+    """``config`` with remote decode workers at ``address`` (`omnifeed serve --ray`)."""
+    data = config.model_dump()
+    pools = data["feed"]["pools"]
+    configured = [m for m, pool in pools.items() if pool.get("remote")] or ["image", "video", "audio"]
+    for modality in configured:
+        pool = pools.get(modality) or config.feed.pool(modality).model_dump()
+        pools[modality] = {**pool, "remote": {**(pool.get("remote") or {}), "address": address}}
+    return type(config).model_validate(data)
 
 
 _STOP_DEADLINE_S = 30.0  # SIGTERM ends `omnifeed serve` within this, its cleanup finished or not (docs/service.md)

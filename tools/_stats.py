@@ -169,6 +169,8 @@ def render_stats(snapshot: Snap, previous: Snap | None) -> str:
     interval = _Interval(snapshot, previous)
     lines = [_header(interval), ""]
     lines += _modalities(interval) + [""]
+    if _dict(snapshot, "remote"):
+        lines += _remote(interval) + [""]
     lines += _cache(interval) + [""]
     if clients := _clients(snapshot):
         lines += _client_table(interval, clients) + [""]
@@ -198,6 +200,24 @@ def _modalities(iv: _Interval) -> list[str]:
                      _count(_num(m, "queued")), _rate(decoded_per_s), _ms(_num(m, "decode_latency_s", "p50")),
                      _ms(_num(m, "decode_latency_s", "p99")), f"{sum(bad.values()):.0f} ({reasons})" if bad else "0"])
     return _table(["modality", "buffer", "buffer bytes", "queued", "decoded/s", "p50", "p99", "bad"], rows)
+
+
+def _remote(iv: _Interval) -> list[str]:
+    """Remote decode workers (Ray actors): per modality, actors up/wanted/cap, remote and local rates, round trip."""
+    remote = _dict(iv.snap, "remote")
+    state = "connected" if remote.get("connected") else "UNREACHABLE (local workers only)"
+    rows = []
+    for name, m in sorted(_dict(remote, "modalities").items()):
+        def rate(key: str, total: str) -> float | None:
+            return iv.rate("remote", "modalities", name, total) if iv.previous is not None else _num(m, key)
+        rows.append([name, f"{_count(_num(m, 'workers'))}/{_count(_num(m, 'target'))}/{_count(_num(m, 'max_workers'))}",
+                     _rate(rate("decoded_per_s", "decoded")), _rate(rate("local_per_s", "local_decoded")),
+                     _ms(_num(m, "round_trip_s", "p50")), _ms(_num(m, "round_trip_s", "p99")),
+                     _count(_num(m, "reissued")), _count(_num(m, "lost")), _bytes(_num(m, "returned_bytes"))])
+    header = ["remote", "actors up/wanted/cap", "remote/s", "local/s", "trip p50", "trip p99", "reissued", "lost",
+              "returned"]
+    return [f"Ray cluster {remote.get('address', '?')}: {state}, outages {_count(_num(remote, 'outages'))}",
+            *_table(header, rows)]
 
 
 def _cache(iv: _Interval) -> list[str]:

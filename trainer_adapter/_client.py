@@ -7,8 +7,9 @@ never a sample. Batches are the in-process feed's format (``omnifeed.loader`` ba
 format); their tensors are views of shared memory the service wrote once, so taking a
 batch costs the trainer a header read, whatever the batch's size.
 
-A batch's memory goes back to the service when the trainer drops its last tensor (a
-finalizer on the batch's mapping), so holding on to batches is safe, only memory-hungry.
+A batch's memory goes back to the service once the trainer holds nothing of it (checked at
+each request, `_segments.Handoff`; the tensors of a segment's layout are built once and handed
+out again), so holding on to batches is safe, only memory-hungry.
 Tensor-parallel peers map the same pages: an in-place edit of a batch is seen by them.
 
 The client maps what its service hands it, so it first checks that the service is the user's
@@ -23,18 +24,14 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import socket
 import time
 import uuid
-import weakref
-from collections import deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import xxhash
 
 from omnifeed.loader import Feed, FeedError
@@ -51,12 +48,12 @@ from omnifeed.loader.service import (
     decode,
     default_socket,
     receive,
-    receive_frame,
     send,
-    tensor_decoder,
 )
 
+from ._attempt_feed import AttemptFeed, torchrun_round
 from ._hints import LrRule, TopologyHints, topology_hints
+from ._segments import Handoff
 
 log = logging.getLogger("omnifeed.client")
 
@@ -93,15 +90,9 @@ class FeedClient:
         self._feed: Feed | None = None
         self._sock: socket.socket | None = None
         self._state: dict[str, Any] | None = None
-        self._maps: dict[tuple[int, int], mmap.mmap] = {}
-        self._pending_fds: list[int] = []
-        # (service instance, batch number) of batches the trainer dropped: one deque for the client's life, since
-        # finalizers registered long ago append to it (a swapped-in new container would lose them)
-        self._released: deque[tuple[str, int]] = deque()
+        self._handoff = Handoff()  # segments mapped, batches the trainer holds and dropped
         self._service = ""  # batch numbers belong to one service process: a release must not reach another
         self._token = uuid.uuid4().hex  # this client, across its reconnections
-        self._decode = tensor_decoder(self._base)
-        self._bases: list[np.ndarray] = []
         self.waited_s = 0.0
         self.reconnects = 0
         self._reached = False  # a service welcomed this client once: from then on, wait for it to come back
@@ -142,20 +133,26 @@ class FeedClient:
         dp_rank, dp_world = rank // tensor_parallel, world // tensor_parallel
         if config is not None:
             return cls.in_process(config, rank=rank, world_size=world, dp_rank=dp_rank, dp_world_size=dp_world,
-                                  grad_accum=grad_accum, lr_rule=lr_rule)
+                                  grad_accum=grad_accum, lr_rule=lr_rule, round_token=torchrun_round(os.environ))
         return cls(address, rank=rank, world_size=world, dp_rank=dp_rank, dp_world_size=dp_world,
                    grad_accum=grad_accum, lr_rule=lr_rule, **options)
 
     @classmethod
     def in_process(cls, config: ServiceConfig | str | Path, *, rank: int = 0, world_size: int = 1,
                    dp_rank: int | None = None, dp_world_size: int | None = None, grad_accum: int = 1,
-                   lr_rule: LrRule = "linear") -> FeedClient:
-        """The same interface over a feed in this process (tests, single-process jobs): no service needed."""
+                   lr_rule: LrRule = "linear", round_token: str | None = None) -> FeedClient:
+        """The same interface over a feed in this process (tests, single-process jobs): no service needed.
+
+        Its audit log has the service's attempts and resume markers (`AttemptFeed`); ``round_token``
+        names this (re)start alike on every rank (``from_torchrun_env`` takes torchrun's; None: each
+        client its own attempt with one data-parallel rank, no attempts with several).
+        """
         config = config if isinstance(config, ServiceConfig) else ServiceConfig.from_yaml(config)
         client = cls(config.socket, rank=rank, world_size=world_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
                      grad_accum=grad_accum, lr_rule=lr_rule)
-        client._feed = Feed(config.index, config.feed, world_size=client.dp_world_size, rank=client.dp_rank,
-                            grad_accum=grad_accum, audit_log=config.audit_log if client.rank == client._first_peer() else None)
+        client._feed = AttemptFeed(config.index, config.feed, world_size=client.dp_world_size, rank=client.dp_rank,
+                                   grad_accum=grad_accum, round_token=round_token,
+                                   audit_log=config.audit_log if client.rank == client._first_peer() else None)
         return client
 
     def _first_peer(self) -> int:
@@ -215,8 +212,8 @@ class FeedClient:
             try:
                 sock = self._connected(deadline)
                 started = time.perf_counter()
-                send(sock, {"op": "next", "release": self._drain_released()})
-                message = check_reply(self._receive_batch(sock), "batch")
+                send(sock, {"op": "next", "release": self._handoff.released_to(self._service)})
+                message = check_reply(self._handoff.receive(sock, self._service), "batch")
                 self.waited_s += time.perf_counter() - started
             except (OSError, EOFError, ServiceError) as exc:
                 self._lost(exc, deadline)
@@ -224,57 +221,6 @@ class FeedClient:
             self._state = message["state"]
             batch: dict[str, Any] = message["batch"]
             return batch
-
-    def _receive_batch(self, sock: socket.socket) -> dict[str, Any]:
-        body, self._pending_fds = receive_frame(sock, MAX_REPLY_BYTES, accept_fds=True)
-        try:
-            message = decode(body, self._decode)
-            if message["op"] == "batch":  # the batch's memory goes back when it is dropped
-                for forgotten in message.get("forget") or ():  # segments the service gave up: unmap (live tensors keep theirs)
-                    self._maps.pop((int(forgotten[0]), int(forgotten[1])), None)
-                if self._bases:
-                    weakref.finalize(self._bases[-1], self._released.append, (self._service, int(message["seq"])))
-                else:  # no tensor views it (a batch of meta fields only): nothing to wait for
-                    self._released.append((self._service, int(message["seq"])))
-        finally:
-            for fd in self._pending_fds:  # sent but not referred to: nothing to map
-                os.close(fd)
-            self._pending_fds = []
-            self._bases.clear()
-        return message
-
-    def _base(self, slot: int, generation: int) -> np.ndarray:
-        """This batch's view of its segment: one array per batch, whose finalizer says when the batch is gone."""
-        if self._bases:
-            return self._bases[-1]
-        mapped = self._maps.get((slot, generation))
-        if mapped is None:
-            mapped = self._map_pending(slot, generation)
-        base = np.frombuffer(mapped, dtype=np.uint8)
-        self._bases.append(base)
-        return base
-
-    def _map_pending(self, slot: int, generation: int) -> mmap.mmap:
-        if not self._pending_fds:
-            raise ProtocolError(f"the service referred to segment {slot}/{generation} without sending it")
-        fd = self._pending_fds.pop(0)
-        try:
-            mapped = mmap.mmap(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-        if slot >= 0:
-            for old in [k for k in self._maps if k[0] == slot]:
-                del self._maps[old]  # a grown segment replaces the slot; live tensors keep the old map
-            self._maps[(slot, generation)] = mapped
-        return mapped
-
-    def _drain_released(self) -> list[int]:
-        released = []
-        while self._released:
-            service, seq = self._released.popleft()
-            if service == self._service:
-                released.append(seq)
-        return released
 
     # -- connection ------------------------------------------------------------------------
     def _connected(self, deadline: float) -> socket.socket:
@@ -307,7 +253,7 @@ class FeedClient:
         self.index_fingerprint = welcome["index_fingerprint"]
         self._plan_shape = (int(welcome["batch_size"]), welcome["budget"])
         self._attempt = welcome.get("attempt")
-        self._maps.clear()  # segment numbers belong to a connection's stream; the service sends each one anew
+        self._handoff.forget_all()  # segment numbers belong to a connection's stream; the service sends each one anew
         self._service = welcome["service"]
         self._reached = True
         return sock
@@ -438,7 +384,7 @@ class FeedClient:
         """Say goodbye and disconnect (batches the trainer still holds stay valid)."""
         if self._sock is not None:
             try:
-                send(self._sock, {"op": "bye", "release": self._drain_released()})
+                send(self._sock, {"op": "bye", "release": self._handoff.released_to(self._service)})
                 receive(self._sock, MAX_REPLY_BYTES)
             except (OSError, EOFError, ProtocolError):
                 pass

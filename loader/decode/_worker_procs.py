@@ -18,38 +18,60 @@ queue, so they never see their parent die: a ``kill -9`` of the service left the
 fork server and the resource tracker running. Here each worker's pipe has one writer at each
 end: a dead parent is an EOF for the worker, which then exits; a dead worker is an EOF (or its
 sentinel) for the waiting thread.
+
+With ``scratch_bytes``, each worker also shares a scratch area with the parent (`_scratch`): the
+arrays of a result are written there and the pipe carries only their headers; the parent gets
+numpy views, and a view's memory is reused once no array uses it any more. A dead worker's area
+lives on in the parent while views of it do, and vanishes with the last of them.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import CancelledError
+from multiprocessing import popen_forkserver
 from multiprocessing.connection import Connection, wait
-from multiprocessing.context import BaseContext
+from multiprocessing.context import BaseContext, ForkServerProcess
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
+
+from ._scratch import ScratchArena, WorkerScratch
 
 log = logging.getLogger(__name__)
 
 _JOIN_S = 2.0
+_LEAN_UNTIL = (3, 14)  # `_LeanPopen._launch` follows the fork server of 3.8–3.13; later ones start workers as usual
 
 
 class WorkerDied(RuntimeError):
     """A decode worker process died while it held the call (killed, out of memory, or crashed on the input)."""
 
 
-def _serve(conn: Connection) -> None:
+def _serve(conn: Connection, scratch: WorkerScratch | None) -> None:
     """A worker's loop: run calls from the pipe until the parent closes it (or dies)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     while True:
         try:
             function, args = conn.recv()
+            block = conn.recv()
         except (EOFError, OSError):
             return
         try:
-            reply: tuple[str, Any] = ("ok", function(*args))
+            value = function(*args)
+            placed = None
+            if scratch is not None and block is not None:
+                placed = scratch.place(value, block)
+                if placed is None and scratch.needed(value):  # ask for a block that fits, once
+                    conn.send(("need", scratch.needed(value)))
+                    block = conn.recv()
+                    placed = scratch.place(value, block) if block is not None else None
+            reply: tuple[str, Any] = ("ok", value) if placed is None else ("placed", placed)
+        except (EOFError, OSError):
+            return
         except BaseException as exc:  # noqa: BLE001  re-raised in the calling thread
             reply = ("error", exc)
         try:
@@ -60,28 +82,104 @@ def _serve(conn: Connection) -> None:
             conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
 
 
+class _LeanPopen(popen_forkserver.Popen):
+    """A fork-server start without the parent's ``__main__``: a decode worker runs only omnifeed functions.
+
+    multiprocessing re-runs the main module's top level in every child it starts this way; a training
+    script's imports (torch, the model) then cost each decode worker seconds of start and hundreds of MiB.
+    The rest is `popen_forkserver.Popen._launch` as of Python 3.8–3.13.
+    """
+
+    def _launch(self, process_obj: Any) -> None:
+        import io
+        import os
+        from multiprocessing import forkserver, reduction, spawn, util
+        from multiprocessing.context import set_spawning_popen
+
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data.pop("init_main_from_path", None)
+        prep_data.pop("init_main_from_name", None)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)  # type: ignore[attr-defined]
+        _parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))  # type: ignore[attr-defined]
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _LeanProcess(ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj: Any) -> _LeanPopen:
+        return _LeanPopen(process_obj)
+
+
 class _Worker:
     """One worker process and the parent's end of its pipe (the child's end is closed here after start)."""
 
-    def __init__(self, context: BaseContext, name: str) -> None:
+    def __init__(self, context: BaseContext, name: str, scratch_bytes: int = 0) -> None:
+        self.scratch = ScratchArena(scratch_bytes) if scratch_bytes else None
         parent, child = context.Pipe(duplex=True)
-        self.process = context.Process(target=_serve, args=(child,), name=name, daemon=True)  # type: ignore[attr-defined]
-        self.process.start()
-        child.close()
+        try:
+            handle = self.scratch.handle() if self.scratch is not None else None
+            lean = context.get_start_method() == "forkserver" and sys.version_info < _LEAN_UNTIL
+            process = _LeanProcess if lean else context.Process  # type: ignore[attr-defined]
+            self.process = process(target=_serve, args=(child, handle), name=name, daemon=True)
+            self.process.start()
+        except BaseException:
+            parent.close()
+            raise
+        finally:
+            child.close()
+            if self.scratch is not None:
+                self.scratch.close_fd()  # the worker has its own: the area now lives only in the two mappings
         self.conn = parent
 
     def call(self, function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str, Any]:
         """Run ``function(*args)`` in the worker: ("ok", value) or ("error", exception); `WorkerDied` if it died."""
+        message = ForkingPickler.dumps((function, args))  # a value that does not pickle fails here, no block taken
+        block = self.scratch.reserve() if self.scratch is not None else None
         try:
-            self.conn.send((function, args))
-            ready = wait([self.conn, self.process.sentinel])
-            if self.conn not in ready:
-                raise WorkerDied(f"decode worker process {self.process.pid} exited with {self.process.exitcode}")
-            reply: tuple[str, Any] = self.conn.recv()  # EOF mid-message when it died writing: nothing else writes here
-            return reply
+            self.conn.send_bytes(message)
+            self.conn.send(block)
+            reply = self._receive()
+            if reply[0] == "need" and self.scratch is not None and block is not None:  # larger than its block
+                self.scratch.cancel(block)  # untouched: the worker asks before writing
+                block = self.scratch.reserve(reply[1])
+                self.conn.send(block)
+                reply = self._receive()
         except (EOFError, OSError) as exc:
             self.process.join(_JOIN_S)
+            if block is not None and self.scratch is not None and not self.process.is_alive():
+                self.scratch.cancel(block)
             raise WorkerDied(f"decode worker process {self.process.pid} died (exit code {self.process.exitcode})") from exc
+        except WorkerDied:
+            if block is not None and self.scratch is not None:
+                self.scratch.cancel(block)
+            raise
+        return self._adopted(reply, block)
+
+    def _receive(self) -> tuple[str, Any]:
+        ready = wait([self.conn, self.process.sentinel])
+        if self.conn not in ready:
+            raise WorkerDied(f"decode worker process {self.process.pid} exited with {self.process.exitcode}")
+        reply: tuple[str, Any] = self.conn.recv()  # EOF mid-message when it died writing: nothing else writes here
+        return reply
+
+    def _adopted(self, reply: tuple[str, Any], block: tuple[int, int] | None) -> tuple[str, Any]:
+        if self.scratch is None or block is None:
+            return reply
+        status, value = reply
+        if status == "placed":
+            return "ok", self.scratch.adopt(block, *value)
+        self.scratch.cancel(block)
+        return reply
 
     def stop(self) -> None:
         """Close the pipe (the worker exits on EOF) and reap it; kill it if it does not go."""
@@ -98,10 +196,11 @@ class WorkerProcesses:
     ``restarts`` counts workers lost and replaced. ``close()`` stops every worker (idempotent).
     """
 
-    def __init__(self, processes: int, context: BaseContext, name: str = "omnifeed-decode") -> None:
+    def __init__(self, processes: int, context: BaseContext, name: str = "omnifeed-decode",
+                 scratch_bytes: int = 0) -> None:
         if processes < 1:
             raise ValueError(f"processes must be at least 1, got {processes}")
-        self.processes, self.name = processes, name
+        self.processes, self.name, self.scratch_bytes = processes, name, scratch_bytes
         self._context = context
         self._cond = threading.Condition()
         self._idle: list[_Worker] = []
@@ -142,7 +241,7 @@ class WorkerProcesses:
                     break
                 self._cond.wait()
         try:
-            return _Worker(self._context, self.name)
+            return _Worker(self._context, self.name, self.scratch_bytes)
         except BaseException:
             with self._cond:
                 self._running -= 1

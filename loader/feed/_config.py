@@ -12,6 +12,7 @@ from .._config import load_yaml, validated
 from ..plan._config import PlanConfig
 from .._config_paths import FEED_PATHS, resolve_paths
 from ..decode._config import DecodeConfig
+from ._remote_config import RemoteConfig, check_remote_pools
 from ._transform_config import TransformsConfig
 
 
@@ -27,8 +28,16 @@ class PoolConfig(BaseModel):
         "hold the GIL; the threads then only hand tasks to the processes and wait, so give twice as many "
         "threads as processes to keep them busy.",
     )
+    shared_memory: bool = Field(
+        default=True,
+        description="With processes: each process writes decoded arrays into a shared-memory area of its own "
+        "(buffer_bytes / processes, plus 16 MiB; pages are used only as filled) and the pipe carries their headers; "
+        "false: arrays are pickled through the pipe.",
+    )
     buffer_samples: int = Field(default=256, ge=1, description="Samples of this modality decoded ahead, at most.")
     buffer_bytes: int = Field(default=512 * 2**20, ge=1, description="Bytes of decoded output held ahead, at most.")
+    remote: RemoteConfig | None = Field(
+        default=None, description="Decode workers on a Ray cluster as well (docs/service.md); none when absent.")
 
 
 def _default_pools() -> dict[str, PoolConfig]:
@@ -67,6 +76,11 @@ class FeedConfig(BaseModel):
     error_budget_min_samples: int = Field(
         default=200, ge=1, description="Samples read before the error budget is enforced."
     )
+
+    @model_validator(mode="after")
+    def _remote_pools_agree(self) -> FeedConfig:
+        check_remote_pools(self.pools)
+        return self
 
     @model_validator(mode="after")
     def _budgets_match_decoding(self) -> FeedConfig:

@@ -36,6 +36,8 @@ from ._config import FeedConfig
 from ._transforms import holdable
 
 FIELD_PREFIX = "field:"
+SCRATCH_SLACK = 16 * 2**20
+"""Shared memory per decode process beyond its share of the buffer: the micro-batch being collated still holds its own."""
 
 
 def field_key(key: str) -> str:
@@ -92,9 +94,11 @@ class FieldDecoders:
         context.set_forkserver_preload(["omnifeed.loader"])
         self._decode_json = config.decode.model_dump_json()  # once: tasks send this str, not the model
         for modality in MODALITIES:
-            processes = config.pool(modality).processes
-            if processes and modality not in self.custom:  # a user's decoder may not pickle: it runs in threads
-                self._executors[modality] = WorkerProcesses(processes, context, f"omnifeed-{modality}-decode")
+            pool = config.pool(modality)
+            if pool.processes and modality not in self.custom:  # a user's decoder may not pickle: it runs in threads
+                scratch = pool.buffer_bytes // pool.processes + SCRATCH_SLACK if pool.shared_memory else 0
+                self._executors[modality] = WorkerProcesses(pool.processes, context, f"omnifeed-{modality}-decode",
+                                                            scratch)
 
     def decode(self, modality: str, location: FieldLocation, key: str, data: bytes, where: str,
                column: ColumnKind | None = None) -> Any:

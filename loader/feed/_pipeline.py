@@ -43,6 +43,7 @@ from ..decode._worker_procs import WorkerDied
 from ...cache import is_local
 from ._field_source import FieldSource, Loaded
 from ._field_decoders import FieldDecoders
+from ._remote import remote_decoders
 from ._transforms import Transforms
 
 
@@ -112,6 +113,7 @@ class FieldReader:
         self.transforms = Transforms(config.transforms, config.plan.seed)  # ValueError: a user step does not import
         self.source = FieldSource(config.cache, namespace, config.decode, custom)
         self.decoders = FieldDecoders(config, decoders, custom)
+        self.remote = remote_decoders(config, self.source, self.decoders, metrics)  # Ray actors (pools.*.remote)
         self._io = ThreadPoolExecutor(config.cache.remote.io_threads, thread_name_prefix="omnifeed-io")
 
     def prefetch(self, sample: IndexedSample, location: FieldLocation) -> Future[Loaded] | None:
@@ -121,14 +123,17 @@ class FieldReader:
         less than handing it between threads (with 16 I/O threads the feed lost 40 % of its
         local-disk throughput to thread hand-offs; benchmarks/RESULTS.md).
         """
-        if is_local(sample.shard.url):
-            return None
+        if is_local(sample.shard.url) or self.remote is not None and location.modality in self.remote.slots():
+            return None  # a remote modality's field is read by whichever side decodes it
         return self._io.submit(self.source.load, sample, location)
 
     def _value(self, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None,
                where: str) -> tuple[Any, int]:
         """(the field's value after the transforms, the raw bytes read for it)."""
         sample = slot.sample
+        done = self.remote.decode(sample, location) if self.remote is not None and loading is None else None
+        if done is not None:  # decoded by a Ray actor
+            return self.transforms.apply(modality, location.name, sample.key, slot.epoch, done[0], where), done[1]
         kind, payload = loading.result() if loading is not None else self.source.load(sample, location)
         if kind == "decoded":
             value, read = payload, 0
@@ -181,6 +186,8 @@ class FieldReader:
     def close(self) -> None:
         """Stop the I/O threads and the worker processes and wait for them (idempotent)."""
         self._io.shutdown(wait=True, cancel_futures=True)
+        if self.remote is not None:
+            self.remote.close()
         self.decoders.close()
         self.source.close()
 
@@ -210,7 +217,7 @@ class Pipeline:
         self._loading: set[Future[Loaded]] = set()
         self._own_pools: DecodePools | None = None
         if pools is None:
-            pools = self._own_pools = DecodePools(config)
+            pools = self._own_pools = DecodePools(config, remote=reader.remote)
         self.pools: PoolOwner = pools.owner(self._fail, config)
         self._scheduler = threading.Thread(target=self._schedule, name="omnifeed-scheduler", daemon=True)
         self._scheduler.start()

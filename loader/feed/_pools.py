@@ -22,8 +22,10 @@ modality that is running dry. A task's exception goes to its own owner's ``on_er
 Threads by default: Pillow and PyAV release the GIL while decoding and resizing (two image
 threads decode 2× one thread), and threads share the index, the plan and the decoded tensors
 without copies. A modality can decode in worker processes instead (``PoolConfig.processes``;
-the threads then hand tasks over and wait): measured slower for images here, because each
-result crosses a pipe (benchmarks/RESULTS.md), but there for decoders that hold the GIL.
+the threads then hand tasks over and wait): the processes write decoded arrays into shared
+memory and the pipe carries headers (``decode/_scratch``), so the decode leaves this GIL.
+With ``remote`` (`_remote`), a modality also has one thread per remote slot of its Ray actors:
+it takes tasks like a local worker, but only while its actor is up.
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._modalities import FIELD_MODALITIES
 from ._config import FeedConfig, PoolConfig
+
+if TYPE_CHECKING:
+    from ._remote import RemoteDecoders
 
 Task = Callable[[], int]
 """A unit of work: fetch and decode one field, store the result, return the decoded bytes."""
@@ -120,7 +125,8 @@ class DecodePools:
     of every task's exception, whichever owner's (after that owner's own ``on_error``): a log hook.
     """
 
-    def __init__(self, config: FeedConfig, on_error: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(self, config: FeedConfig, on_error: Callable[[BaseException], None] | None = None,
+                 remote: RemoteDecoders | None = None) -> None:
         self._observe = on_error
         # One lock; separate conditions so that a finished or submitted task wakes only the
         # threads that can act on it (a notify_all per task woke every worker: GIL churn).
@@ -141,6 +147,14 @@ class DecodePools:
             self._start(f"omnifeed-shared-{i}", None)
         served = {m for m in FIELD_MODALITIES if self._limits[m].workers} | (set(FIELD_MODALITIES) if config.shared_workers else set())
         self._inline = set(FIELD_MODALITIES) - served  # no worker would ever run these: run at submit
+        if remote is not None:
+            remote.attach(self._queued.__getitem__)  # read without the lock: a hint for scaling
+            for modality, slots in remote.slots().items():
+                for slot in range(slots):
+                    thread = threading.Thread(target=self._work_remote, args=(remote, modality, slot),
+                                              name=f"omnifeed-{modality}-remote-{slot}", daemon=True)
+                    thread.start()
+                    self._threads.append(thread)
 
     def _start(self, name: str, modalities: tuple[str, ...] | None) -> None:
         thread = threading.Thread(target=self._work, args=(modalities,), name=name, daemon=True)
@@ -212,6 +226,20 @@ class DecodePools:
                 if picked is None:
                     return
             self._run(*picked)
+
+    def _work_remote(self, remote: RemoteDecoders, modality: str, slot: int) -> None:
+        """A remote slot: takes the modality's tasks only while its Ray actor is up, and runs them there."""
+        while not self._closed:
+            if not remote.wait_slot(modality, slot, 0.5):
+                continue
+            with self._lock:
+                picked = self._pick((modality,))
+                if picked is None and not self._closed:
+                    self._work_ready[modality].wait(0.5)
+                    picked = self._pick((modality,))
+            if picked is not None:
+                with remote.serving(modality, slot):
+                    self._run(*picked)
 
     def _run(self, owner: PoolOwner, modality: str, task: Task) -> None:
         started = time.perf_counter()

@@ -1,11 +1,12 @@
 """omnifeed.loader.service: the sidecar — server, streams, shared-memory arena, protocol, metrics endpoint."""
 
-from ._arena import tensor_decoder
+from ._arena import batch_hook, build_template, merge, read_layout, read_reference
 from ._config import ServiceConfig, default_socket
 from ._metrics import start_metrics_server
 from ._protocol import (
     MAX_REPLY_BYTES,
     PROTOCOL,
+    FrameReader,
     ProtocolError,
     ServiceError,
     ServiceUnavailableError,
@@ -23,6 +24,7 @@ from ._server import FeedService
 
 __all__ = [
     "FeedService",
+    "FrameReader",
     "MAX_REPLY_BYTES",
     "PROTOCOL",
     "ProtocolError",
@@ -30,15 +32,19 @@ __all__ = [
     "ServiceError",
     "ServiceUnavailableError",
     "UntrustedServiceError",
+    "batch_hook",
+    "build_template",
     "check_reply",
     "connect",
     "decode",
     "default_socket",
+    "merge",
+    "read_layout",
+    "read_reference",
     "receive",
     "receive_frame",
     "request_metrics",
     "send",
     "start_metrics_server",
-    "tensor_decoder",
     "wait_until_serving",
 ]

@@ -4,10 +4,10 @@ Each stream keeps a few **segments**: anonymous shared-memory files (``memfd_cre
 they are private to the processes the service hands their descriptors to, over its 0700
 socket, and vanish with the last process that maps them: a crashed service or client leaks
 nothing in ``/dev/shm``. A segment crosses the socket once (when it is created or grown);
-after that a batch header names the segment and each array's offset, dtype and shape, and
-the client builds tensors as views of its mapping: no per-batch mapping, pickling or copy.
-The service side is numpy only (it never imports torch); `tensor_decoder` imports torch when
-a client makes one.
+after that a batch header names the segment and each array's offset, dtype and shape (its
+**layout**, `encode_batch`), and the client builds tensors as views of its mapping: no
+per-batch mapping, pickling or copy. The service side is numpy only (it never imports torch);
+the client (``omnifeed.trainer_adapter``) makes the tensors, once per (segment, layout).
 
 The service collates each batch straight into a free segment (``SegmentWriter.alloc`` is the
 allocator `collate` takes); a segment is reused once every client that took its batch has
@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from ._protocol import TENSOR_EXT
+from ._protocol import KEYS_EXT, TENSOR_EXT, ProtocolError, decode
 
 _ALIGN = 64
 _MIN_SEGMENT = 1 << 20
@@ -38,7 +38,6 @@ DTYPES: tuple[str, ...] = (
 """The dtype of each code a reference carries (the wire's numbering: never reorder, only append)."""
 _NUMPY = {code: np.dtype(name) for code, name in enumerate(DTYPES) if name != "bfloat16"}  # native order
 _CODES = {dtype: code for code, dtype in _NUMPY.items()}
-_BFLOAT16 = DTYPES.index("bfloat16")
 _REF = struct.Struct("<iIQBB")  # segment slot, its generation, offset, dtype code, dimensions; then the shape (int64s)
 
 
@@ -101,15 +100,57 @@ def grown_size(needed: int) -> int:
     return -(-int(needed * 1.25) // (1 << 20)) * (1 << 20)
 
 
-def encode_batch(batch: Any, segment: Segment) -> Any:
-    """The batch with every numpy array replaced by a reference into ``segment`` (a msgpack extension)."""
-    if isinstance(batch, np.ndarray):
-        return msgpack.ExtType(TENSOR_EXT, _reference(batch, segment))
-    if isinstance(batch, dict):
-        return {k: encode_batch(v, segment) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return [encode_batch(v, segment) for v in batch]
-    return batch
+def encode_batch(batch: dict[str, Any], segment: Segment) -> tuple[bytes, dict[str, Any]]:
+    """(the batch's layout, the rest of it) for a batch frame: the layout places every array held in a dict.
+
+    The layout is msgpack of ``[[path, reference or None], ...]`` (a path: the dict keys down to
+    a value), one entry per key of every dict that holds arrays (a nested dict that holds arrays
+    is given by its own entries), in the batch's key order: the same bytes for every batch with
+    the same keys and the same shapes at the same offsets of a segment, so a client builds its
+    tensors once per (segment, layout). The rest holds the values of the None entries; an array
+    inside a list stays there as a reference (``TENSOR_EXT``), and ``"__key__"`` travels as one
+    blob (``KEYS_EXT``).
+    """
+    entries: list[list[Any]] = []
+    rest = _split(batch, segment, [], entries) if _holds_arrays(batch) else _inline(batch, segment)
+    keys = batch.get("__key__")
+    if isinstance(keys, list) and keys and all(type(k) is str for k in keys):
+        joined = "\n".join(keys)
+        if joined.count("\n") == len(keys) - 1:  # no key holds the separator
+            rest["__key__"] = msgpack.ExtType(KEYS_EXT, joined.encode())
+    return msgpack.packb(entries, use_bin_type=True), rest
+
+
+def _holds_arrays(node: dict[str, Any]) -> bool:
+    return any(isinstance(v, np.ndarray) or (isinstance(v, dict) and _holds_arrays(v)) for v in node.values())
+
+
+def _split(node: dict[str, Any], segment: Segment, path: list[Any], entries: list[list[Any]]) -> dict[str, Any]:
+    """The values of ``node`` (a dict that holds arrays) that are not in the layout; its layout entries appended."""
+    rest: dict[str, Any] = {}
+    for key, item in node.items():
+        here = [*path, key]
+        if isinstance(item, np.ndarray):
+            entries.append([here, _reference(item, segment)])
+        elif isinstance(item, dict) and _holds_arrays(item):
+            inner = _split(item, segment, here, entries)
+            if inner:
+                rest[key] = inner
+        else:
+            entries.append([here, None])
+            rest[key] = _inline(item, segment)
+    return rest
+
+
+def _inline(value: Any, segment: Segment) -> Any:
+    """``value`` with each array as a reference in place (outside the layout)."""
+    if isinstance(value, np.ndarray):
+        return msgpack.ExtType(TENSOR_EXT, _reference(value, segment))
+    if isinstance(value, dict):
+        return {k: _inline(v, segment) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_inline(v, segment) for v in value]
+    return value
 
 
 def _reference(array: np.ndarray, segment: Segment) -> bytes:
@@ -125,50 +166,102 @@ def _reference(array: np.ndarray, segment: Segment) -> bytes:
             + struct.pack(f"<{array.ndim}q", *array.shape))
 
 
-def _view(base_of: Callable[[int, int], np.ndarray], code: int, data: bytes) -> tuple[np.ndarray, bool, tuple[int, ...]]:
-    """(the numpy view a reference names, whether it is bfloat16 (viewed as raw uint8 bytes), its shape)."""
-    if code != TENSOR_EXT or len(data) < _REF.size:
-        raise ValueError(f"unknown msgpack extension {code}")
+def read_reference(data: bytes) -> tuple[int, int, int, str, tuple[int, ...]]:
+    """A tensor reference's fields: (segment slot, generation, byte offset, dtype name, shape); ValueError if malformed."""
+    if len(data) < _REF.size:
+        raise ValueError("a tensor reference is too short")
     slot, generation, offset, dtype_code, ndim = _REF.unpack_from(data)
+    if len(data) != _REF.size + 8 * ndim:
+        raise ValueError("a tensor reference's shape does not match its length")
     shape = struct.unpack_from(f"<{ndim}q", data, _REF.size)
-    if dtype_code >= len(DTYPES):
-        raise ValueError(f"unknown dtype code {dtype_code} in a tensor reference")
-    bfloat16 = dtype_code == _BFLOAT16
-    dtype = np.dtype(np.uint8) if bfloat16 else _NUMPY[dtype_code]
+    if dtype_code >= len(DTYPES) or min(shape, default=0) < 0:
+        raise ValueError(f"a tensor reference with dtype code {dtype_code} and shape {shape}")
+    return slot, generation, offset, DTYPES[dtype_code], shape
+
+
+def batch_hook(make: Callable[[bytes], Any]) -> Callable[[int, bytes], Any]:
+    """The msgpack extension hook of a batch frame: a key blob becomes the list of keys, a tensor reference ``make(it)``."""
+
+    def hook(code: int, data: bytes) -> Any:
+        if code == KEYS_EXT:
+            return data.decode("utf-8").split("\n")
+        if code == TENSOR_EXT:
+            return make(data)
+        raise ValueError(f"unknown msgpack extension {code}")
+
+    return hook
+
+
+Template = tuple[dict[str, Any], dict[str, Any]]
+"""One dict of a batch as a layout gives it: (its keys in order, with the arrays made and None where the rest has the
+value or a nested dict goes; the nested dicts' templates by key)."""
+
+
+def read_layout(layout: bytes) -> list[tuple[list[Any], bytes | None]]:
+    """A batch layout's (path, reference or None) pairs; ProtocolError if malformed."""
+    try:
+        entries = msgpack.unpackb(layout, raw=False, use_list=True)
+        pairs = [(list(path), ref) for path, ref in entries]
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise ProtocolError(f"a malformed batch layout ({type(exc).__name__}: {exc})") from None
+    if not all(path and (ref is None or isinstance(ref, bytes)) for path, ref in pairs):
+        raise ProtocolError("a batch layout entry without a path, or with something else than a reference")
+    return pairs
+
+
+def build_template(entries: list[tuple[list[Any], bytes | None]],
+                   make: Callable[[bytes], Any]) -> tuple[Template, list[Any]]:
+    """The template of a layout's entries, with ``make(reference)`` for each array, and those arrays in order."""
+    root: Template = ({}, {})
+    made = []
+    for path, ref in entries:
+        node = root
+        for key in path[:-1]:
+            child = node[1].get(key)
+            if child is None:
+                child = node[1][key] = ({}, {})
+                node[0][key] = None  # its place among its parent's keys
+            node = child
+        if ref is None:
+            node[0][path[-1]] = None
+        else:
+            array = node[0][path[-1]] = make(ref)
+            made.append(array)
+    return root, made
+
+
+def merge(rest: dict[str, Any] | None, template: Template) -> dict[str, Any]:
+    """A new dict: ``template``'s arrays and ``rest``'s values in the template's key order (ProtocolError if a nested
+    dict of the template is something else in the rest)."""
+    keys, children = template
+    out = keys.copy()
+    if rest:
+        out.update(rest)
+    for key, child in children.items():
+        inner = out[key]
+        if inner is not None and type(inner) is not dict:
+            raise ProtocolError(f"a batch layout names {key!r} a dict, which the batch does not hold as one")
+        out[key] = merge(inner, child)
+    return out
+
+
+def _view(base: np.ndarray, data: bytes) -> np.ndarray:
+    """The numpy view of ``base`` a reference names (a bfloat16 one as its raw bytes: uint8, last dimension doubled)."""
+    _slot, _generation, offset, dtype_name, shape = read_reference(data)
+    bfloat16 = dtype_name == "bfloat16"
+    dtype = np.dtype(np.uint8) if bfloat16 else np.dtype(dtype_name)
     raw = (*shape[:-1], 2 * shape[-1]) if bfloat16 and shape else (2,) if bfloat16 else shape
     nbytes = math.prod(raw) * dtype.itemsize
-    base = base_of(slot, generation)
-    if offset + nbytes > base.size or min(shape, default=0) < 0:
+    if offset + nbytes > base.size:
         raise ValueError("a tensor reference points outside its segment")
     if not nbytes:
-        return np.empty(raw, dtype=dtype), bfloat16, shape
-    # numpy's view and reshape cost a fraction of torch's dispatch
-    return base[offset:offset + nbytes].view(dtype).reshape(raw), bfloat16, shape
+        return np.empty(raw, dtype=dtype)
+    return base[offset:offset + nbytes].view(dtype).reshape(raw)
 
 
-def array_decoder(base_of: Callable[[int, int], np.ndarray]) -> Callable[[int, bytes], Any]:
-    """The msgpack extension hook that turns references into numpy arrays viewing ``base_of(slot, generation)``.
-
-    A bfloat16 reference (numpy has no such dtype) comes back as its raw bytes: uint8 with the
-    last dimension doubled.
-    """
-
-    def decode(code: int, data: bytes) -> Any:
-        return _view(base_of, code, data)[0]
-
-    return decode
-
-
-def tensor_decoder(base_of: Callable[[int, int], np.ndarray]) -> Callable[[int, bytes], Any]:
-    """The msgpack extension hook that turns references into torch tensors viewing ``base_of(slot, generation)``.
-
-    The client's side (a trainer): it imports torch, which the service never does.
-    """
-    import torch
-
-    def decode(code: int, data: bytes) -> Any:
-        array, bfloat16, shape = _view(base_of, code, data)
-        tensor = torch.from_numpy(array)
-        return tensor.view(torch.bfloat16).view(shape) if bfloat16 else tensor
-
-    return decode
+def decode_arrays(frame: bytes, base: np.ndarray) -> dict[str, Any]:
+    """A batch frame's batch with its arrays as numpy views of ``base``, the mapping of its one segment (the service's
+    side: a bfloat16 array comes back as its raw bytes, uint8 with the last dimension doubled)."""
+    message = decode(frame[4:], batch_hook(lambda ref: _view(base, ref)))
+    template, _ = build_template(read_layout(message["layout"]), lambda ref: _view(base, ref))
+    return merge(message["batch"], template)

@@ -99,6 +99,22 @@ CLIENT_LAST_WAIT = _m("client_last_wait_seconds", "gauge", "client rank dp_rank"
 CLIENT_BATCHES = _m("client_batches", "counter", "client rank dp_rank", "batches delivered to the client")
 CLIENT_DP_WORLD = _m("client_dp_world_size", "gauge", "client rank dp_rank",
                      "the data-parallel world size the client runs in")
+REMOTE_CONNECTED = _m("remote_connected", "gauge", "", "1 while the Ray cluster of the remote decode workers answers")
+REMOTE_OUTAGES = _m("remote_outages", "counter", "",
+                    "times the Ray cluster was found unreachable (decoding went on with local workers only)")
+REMOTE_WORKERS = _m("remote_workers", "gauge", "modality", "remote decode workers (Ray actors) up")
+REMOTE_TARGET = _m("remote_workers_target", "gauge", "modality",
+                   "remote decode workers wanted now (grows while the modality starves, up to its cap)")
+REMOTE_DECODED = _m("remote_decoded", "counter", "modality", "fields decoded by remote workers")
+REMOTE_PER_S = _m("remote_decoded_per_second", "gauge", "modality",
+                  "fields decoded per second by remote workers, averaged since the feed started")
+LOCAL_PER_S = _m("local_decoded_per_second", "gauge", "modality",
+                 "fields decoded per second by the service's own workers, averaged since the feed started")
+REMOTE_ROUND_TRIP = _m("remote_round_trip_seconds", "gauge", "modality quantile",
+                       "a remote decode task from sending to its result, percentile over a sliding window")
+REMOTE_REISSUED = _m("remote_reissued", "counter", "modality", "remote tasks past their deadline, decoded locally")
+REMOTE_LOST = _m("remote_lost", "counter", "modality", "remote workers lost (actor or node gone) mid-task")
+REMOTE_RETURNED = _m("remote_returned_bytes", "counter", "modality", "bytes of decoded arrays remote workers sent back")
 RESIZES = _m("resizes", "counter", "", "resizes (changes of the data-parallel world size) performed")
 RESIZE_SECONDS = _m("resize_seconds", "counter", "", "seconds spent in resizes, all together")
 
@@ -227,6 +243,7 @@ def _fill(families: _Families, snap: Mapping[str, Any]) -> None:
             families.add(STORAGE_LATENCY, value, q)
     degraded = snap.get("storage_degraded", remote.get("degraded"))
     families.add(STORAGE_DEGRADED, degraded)
+    _remote(families, _section(snap, "remote"))
     clients = snap.get("clients")
     for client in clients if isinstance(clients, Sequence) and not isinstance(clients, str) else ():
         if isinstance(client, Mapping):
@@ -234,6 +251,23 @@ def _fill(families: _Families, snap: Mapping[str, Any]) -> None:
             for spec, key in ((CLIENT_WAITED, "waited_s"), (CLIENT_LAST_WAIT, "last_wait_s"),
                               (CLIENT_BATCHES, "batches"), (CLIENT_DP_WORLD, "dp_world_size")):
                 families.add(spec, client.get(key), *labels)
+
+
+def _remote(families: _Families, remote: Mapping[str, Any]) -> None:
+    if not remote:
+        return
+    families.add(REMOTE_CONNECTED, remote.get("connected"))
+    families.add(REMOTE_OUTAGES, remote.get("outages"))
+    for modality, stats in _section(remote, "modalities").items():
+        if not isinstance(stats, Mapping):
+            continue
+        for spec, key in ((REMOTE_WORKERS, "workers"), (REMOTE_TARGET, "target"), (REMOTE_DECODED, "decoded"),
+                          (REMOTE_PER_S, "decoded_per_s"), (LOCAL_PER_S, "local_per_s"),
+                          (REMOTE_REISSUED, "reissued"), (REMOTE_LOST, "lost"), (REMOTE_RETURNED, "returned_bytes")):
+            families.add(spec, stats.get(key), modality)
+        for key, value in _section(stats, "round_trip_s").items():
+            if (q := quantile_label(key)) is not None:
+                families.add(REMOTE_ROUND_TRIP, value, modality, q)
 
 
 def _tier(families: _Families, tier: str, stats: Mapping[str, Any]) -> None:

@@ -4,8 +4,8 @@ A frame is a 4-byte big-endian length and a msgpack map with an ``"op"`` string.
 descriptors (shared-memory segments, service → client only) travel as ``SCM_RIGHTS``
 ancillary data with the first bytes of the frame that names them. Nothing is ever
 unpickled: msgpack builds only maps, arrays, strings, bytes, numbers, booleans and nil,
-and the one extension type (a tensor reference, code ``TENSOR_EXT``) is accepted only by
-the client, from the service. Frame sizes are bounded on both sides (``MAX_REQUEST_BYTES``,
+and the two extension types (a tensor reference, ``TENSOR_EXT``; a batch's keys as one blob,
+``KEYS_EXT``) are accepted only by the client, from the service. Frame sizes are bounded on both sides (``MAX_REQUEST_BYTES``,
 ``MAX_REPLY_BYTES``); a larger frame is refused before its body is read.
 
 Requests (client → service): ``hello`` (protocol, who the client is, where it continues),
@@ -35,11 +35,12 @@ import msgpack
 
 from .._errors import OmnifeedError
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: batch frames carry a layout and their keys as one blob
 MAX_REQUEST_BYTES = 1 << 20  # client → service: control messages and re-sent audit records
 MAX_REPLY_BYTES = 256 << 20  # service → client: batch headers carry strings and meta fields
 MAX_FDS = 16
 TENSOR_EXT = 1
+KEYS_EXT = 2
 _LENGTH = struct.Struct("!I")
 
 
@@ -148,7 +149,58 @@ def receive_frame(sock: socket.socket, limit: int, accept_fds: bool = False) -> 
     return body, fds
 
 
-def decode(body: bytes | bytearray, ext_hook: Callable[[int, bytes], Any] = _reject_ext) -> dict[str, Any]:
+class FrameReader:
+    """Reads reply frames into one reused buffer: one ``recvmsg_into`` for a frame that fits (the client's side)."""
+
+    KEPT = 1 << 20  # a larger frame gets a buffer of its own, not kept
+
+    def __init__(self, size: int = 1 << 16) -> None:
+        self._buffer = bytearray(size)
+
+    def receive(self, sock: socket.socket, limit: int) -> tuple[memoryview, list[int]]:
+        """One frame's body (a view, valid until the next call) and the descriptors that came with it.
+
+        A reply to a request: bytes after it that nothing asked for are a `ProtocolError`.
+        """
+        buffer = self._buffer
+        view = memoryview(buffer)
+        got, fds = 0, list[int]()
+        while got < _LENGTH.size:
+            n, ancillary, flags, _ = sock.recvmsg_into([view[got:]], socket.CMSG_SPACE(MAX_FDS * 4))
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    received = array.array("i")
+                    received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
+                    fds.extend(received)
+            if flags & socket.MSG_CTRUNC:
+                _close_all(fds)
+                raise ProtocolError(f"more than {MAX_FDS} file descriptors with one message")
+            if not n:
+                _close_all(fds)
+                raise EOFError("the peer closed the connection")
+            got += n
+        (length,) = _LENGTH.unpack_from(buffer)
+        end = _LENGTH.size + length
+        if length > limit or got > end:
+            _close_all(fds)
+            raise ProtocolError(f"message of {length} bytes is over the limit of {limit} bytes" if length > limit
+                                else "bytes after a reply that nothing asked for")
+        if end > len(buffer):
+            buffer = bytearray(end)
+            buffer[:got] = view[:got]
+            view = memoryview(buffer)
+            if end <= self.KEPT:
+                self._buffer = buffer
+        while got < end:
+            n = sock.recv_into(view[got:end])
+            if n == 0:
+                _close_all(fds)
+                raise EOFError("the peer closed the connection in the middle of a message")
+            got += n
+        return view[_LENGTH.size:end], fds
+
+
+def decode(body: bytes | bytearray | memoryview, ext_hook: Callable[[int, bytes], Any] = _reject_ext) -> dict[str, Any]:
     """A frame body as a message: a msgpack map with a string ``"op"``, or ``ProtocolError``."""
     try:
         message = msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=ext_hook, use_list=True)

@@ -74,7 +74,7 @@ class FeedService:
         self.feed_metrics = FeedMetrics()
         decoders = {m: make_decoder(m, config.feed.decode) for m in MODALITIES}
         self.reader = FieldReader(config.feed, decoders, self.feed_metrics, self.index.fingerprint)
-        self.pools = DecodePools(config.feed, _pool_error)
+        self.pools = DecodePools(config.feed, _pool_error, remote=self.reader.remote)
         self.ledger = BatchLedger(self.index)
         self._resizes = Resizes()
         shared = SharedResources(self.plan, self.reader, self.feed_metrics, self.pools, self.ledger.take)
@@ -275,6 +275,7 @@ class FeedService:
             "read_ahead": self.reader.read_ahead(), "clients": clients,
             "resizes": self._resizes.count, "resize_seconds": self._resizes.seconds,
             "last_resize_s": self._resizes.last_s, "handed_over": self.ledger.handed_over,
+            **({"remote": self.reader.remote.snapshot()} if self.reader.remote is not None else {}),
         }
 
 

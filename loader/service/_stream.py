@@ -20,8 +20,8 @@ from typing import Any
 from ..feed import Feed, FeedConfig, SharedResources, Taken
 from ..feed._collate import collate, uncollate
 from ..index import SampleIndex
-from ._arena import Segment, SegmentWriter, array_decoder, encode_batch
-from ._protocol import RequestError, decode, encode
+from ._arena import Segment, SegmentWriter, decode_arrays, encode_batch
+from ._protocol import RequestError, encode
 from ._slots import SegmentSlots
 
 log = logging.getLogger("omnifeed.service")
@@ -180,10 +180,10 @@ class Stream:
             segment, writer = grown, SegmentWriter(grown)
             batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
         seq = self.context.next_seq()
-        message = {"op": "batch", "seq": seq, "segment": segment.name, "batch": encode_batch(batch, segment),
-                   "state": after}
+        layout, rest = encode_batch(batch, segment)
+        message = {"op": "batch", "seq": seq, "segment": segment.name, "layout": layout, "batch": rest, "state": after}
         frame = encode(message)
-        del batch, message
+        del batch, message, rest
         with self.cond:
             self.ready.append(Ready(seq, before, after, segment, frame, taken.record))
             self.head = after
@@ -311,7 +311,7 @@ class Stream:
             base = ready.segment.base
             if ready.takers or ready.record.get("replaced") or base is None:
                 continue
-            batch = decode(ready.frame[4:], array_decoder(lambda slot, generation: base))["batch"]
+            batch = decode_arrays(ready.frame, base)
             harvested.append((ready.record, uncollate(batch, copy=False)))
             ready.abandoned = True
         return harvested

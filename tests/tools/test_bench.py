@@ -36,6 +36,13 @@ def test_quick_bench_runs_each_installed_loader_over_every_sample(tmp_path: Path
     dali = rows[("dali", "image")]["status"]
     assert dali == "ok" if installed("dali", sys.executable) is None else dali.startswith("missing:")
     assert "| omnifeed-service |" in run.stdout and "decode limit" in run.stdout
+    node = {(r["layout"], r["loader"]): r for r in report["node"]}  # 2 ranks: data-parallel, then tensor-parallel peers
+    assert set(node) == {(layout, loader) for layout in ("dp", "tp") for loader in ("dataloader", "omnifeed-service")}
+    for (layout, loader), row in node.items():
+        assert row["status"] == "ok", row
+        assert sum(row["samples"]) == (64 if layout == "dp" else 2 * 64)  # a share each, or the whole epoch per peer
+        assert (row["service_start_s"] is not None) == (loader == "omnifeed-service")
+    assert node[("tp", "dataloader")]["vs_dataloader"] == 1.0 and "| tp | 2 | omnifeed-service |" in run.stdout
     assert (out / "bench.png").stat().st_size > 0
 
 

@@ -283,3 +283,12 @@ def test_the_index_directory_is_the_first_positional_everywhere() -> None:
         if any(a.metavar == "INDEX_DIR" for a in positionals):
             assert positionals[0].metavar == "INDEX_DIR", name
         assert not any("--index" in a.option_strings and a.help != argparse.SUPPRESS for a in parser._actions), name
+
+
+def test_stats_say_when_the_budget_is_too_small_and_suggest_budget_proposes_one(index_dir: Path) -> None:
+    stats = json.loads(run("plan", str(index_dir), "--world-size", "2", "--budget", "60000", "--overlong", "alone",
+                           "--stats").stdout)
+    guidance = stats["budget_guidance"]
+    assert {"samples_over_budget", "budget_holding_99", "budget_holding_100"} <= set(guidance)
+    suggestion = json.loads(run("plan", str(index_dir), "--world-size", "2", "--suggest-budget", "4").stdout)
+    assert suggestion["suggested_budget"] > 0 and suggestion["samples_per_micro_batch"] >= 1

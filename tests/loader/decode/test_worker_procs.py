@@ -106,3 +106,26 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path) -> None:  # type: ig
     for process in alive:
         process.kill()
     assert alive == [], [p.cmdline()[-1][:60] for p in alive]
+
+
+_SCRIPT_WITH_SIDE_EFFECTS = """
+import os, sys
+from multiprocessing import get_context
+from omnifeed.loader.decode._worker_procs import WorkerProcesses
+with open(sys.argv[1], "a") as runs:  # top level, no main guard: what a training script's imports and setup do
+    runs.write(f"{os.getpid()}\\n")
+if __name__ == "__main__":
+    pool = WorkerProcesses(2, get_context("forkserver"), "main-test")
+    print(pool.run(os.getpid) != os.getpid(), flush=True)
+    pool.close()
+"""
+
+
+def test_decode_workers_do_not_run_the_trainers_script_again(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A worker runs omnifeed's decode functions only: the script's top level (torch, the model) runs once, in the trainer."""
+    script, runs = tmp_path / "train.py", tmp_path / "runs.txt"
+    script.write_text(_SCRIPT_WITH_SIDE_EFFECTS)
+    done = subprocess.run([sys.executable, str(script), str(runs)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr[-2000:]
+    if sys.version_info < (3, 14):
+        assert len(runs.read_text().split()) == 1
