@@ -153,18 +153,28 @@ def prepare_datasets(config: BenchConfig) -> dict[str, Dataset]:
 
 # -- the decode limit ---------------------------------------------------------------------------
 def decode_limit(dataset: Dataset, workers: int, seconds: float = 3.0) -> dict[str, float]:
-    """One core's rate of the pipeline's decode (files already in memory) × ``workers``: what no loader can beat."""
+    """One core's rate of the pipeline's decode (files already in memory) × ``workers``: what no loader can beat.
+
+    For images also the limit of omnifeed's own image path (JPEG draft mode), which `omnifeed-draft` runs.
+    """
     items = folder_samples(dataset.folder)
     loaded = [(Path(k).name, {n: p.read_bytes() for n, p in files.items()}) for k, files in items[:256]]
-    decode = SampleDecoder(decode_config(dataset.pipeline))
+    rate = _one_core_rate(loaded, SampleDecoder(decode_config(dataset.pipeline)), seconds)
+    limit = {"one_core_samples_per_s": round(rate, 1), "workers": workers, "limit_samples_per_s": round(rate * workers, 1)}
+    if dataset.pipeline == "image":
+        draft = _one_core_rate(loaded, SampleDecoder(decode_config("image", draft=True)), seconds)
+        limit["draft_limit_samples_per_s"] = round(draft * workers, 1)
+    return limit
+
+
+def _one_core_rate(loaded: list[tuple[str, dict[str, bytes]]], decode: SampleDecoder, seconds: float) -> float:
     decode(loaded[0][1], loaded[0][0])  # warm: decoders built, libraries loaded
     done, cpu0, start = 0, time.process_time(), time.perf_counter()
     while time.perf_counter() - start < seconds or done < len(loaded):
         key, fields = loaded[done % len(loaded)]
         decode(fields, key)
         done += 1
-    rate = done / (time.process_time() - cpu0)  # per CPU second: one core's rate even on a busy machine
-    return {"one_core_samples_per_s": round(rate, 1), "workers": workers, "limit_samples_per_s": round(rate * workers, 1)}
+    return done / (time.process_time() - cpu0)  # per CPU second: one core's rate even on a busy machine
 
 
 # -- one child run ------------------------------------------------------------------------------

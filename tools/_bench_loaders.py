@@ -36,9 +36,9 @@ from omnifeed.loader.feed import Decoded, collate
 from omnifeed.loader.decode import make_decoder
 
 PIPELINES = ("image", "mixed")
-LOADERS = ("omnifeed", "omnifeed-draft", "omnifeed-service", "dataloader", "webloader", "statefuldataloader",
+LOADERS = ("omnifeed", "omnifeed-draft", "omnifeed-processes", "omnifeed-service", "dataloader", "webloader", "statefuldataloader",
            "streaming", "litdata", "dali")
-IMAGE_ONLY = frozenset({"omnifeed-draft", "dali"})
+IMAGE_ONLY = frozenset({"omnifeed-draft", "omnifeed-processes", "dali"})
 
 
 @dataclass(frozen=True)
@@ -241,11 +241,16 @@ def run_dali(spec: RunSpec) -> Iterable[dict[str, Any]]:
 
 
 # -- omnifeed ------------------------------------------------------------------------------
-def feed_config(spec: RunSpec, draft: bool = False) -> FeedConfig:
-    """The feed with ``workers`` decode threads in all (one pool for images; shared threads for the mixed set)."""
+def feed_config(spec: RunSpec, draft: bool = False, processes: bool = False) -> FeedConfig:
+    """The feed with ``workers`` decode threads in all (one pool for images; shared threads for the mixed set).
+
+    ``processes``: images decode in ``workers`` processes writing into shared memory instead (two
+    threads per process hand them the tasks).
+    """
     if spec.pipeline == "image":
-        pools = {"image": PoolConfig(workers=spec.workers, buffer_samples=4 * spec.batch_size),
-                 "text": PoolConfig(workers=0), "meta": PoolConfig(workers=0)}
+        image = (PoolConfig(workers=2 * spec.workers, processes=spec.workers, buffer_samples=4 * spec.batch_size)
+                 if processes else PoolConfig(workers=spec.workers, buffer_samples=4 * spec.batch_size))
+        pools = {"image": image, "text": PoolConfig(workers=0), "meta": PoolConfig(workers=0)}
         shared = 0
     else:
         pools = {m: PoolConfig(workers=0) for m in FIELD_MODALITIES}
@@ -254,12 +259,13 @@ def feed_config(spec: RunSpec, draft: bool = False) -> FeedConfig:
                       pools=pools, shared_workers=shared)
 
 
-def run_omnifeed(spec: RunSpec, draft: bool = False) -> Iterable[dict[str, Any]]:
+def run_omnifeed(spec: RunSpec, draft: bool = False, processes: bool = False) -> Iterable[dict[str, Any]]:
     """omnifeed's trainer client with the feed in this process."""
     from omnifeed.loader.service import ServiceConfig
     from omnifeed.trainer_adapter import FeedClient
 
-    config = ServiceConfig(index=spec.index, feed=feed_config(spec, draft), socket=str(Path(spec.work) / "unused.sock"))
+    config = ServiceConfig(index=spec.index, feed=feed_config(spec, draft, processes),
+                           socket=str(Path(spec.work) / "unused.sock"))
     return _epoch(FeedClient.in_process(config))
 
 
@@ -297,6 +303,7 @@ def _epoch(client: Any) -> Iterator[dict[str, Any]]:
 RUNNERS: dict[str, Callable[[RunSpec], Iterable[dict[str, Any]]]] = {
     "omnifeed": run_omnifeed,
     "omnifeed-draft": lambda spec: run_omnifeed(spec, draft=True),
+    "omnifeed-processes": lambda spec: run_omnifeed(spec, processes=True),
     "omnifeed-service": run_omnifeed_service,
     "dataloader": run_dataloader,
     "webloader": run_webloader,

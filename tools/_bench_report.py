@@ -10,8 +10,9 @@ def render_table(report: dict[str, Any]) -> str:
     """The report as a Markdown table per pipeline (what `omnifeed bench` prints)."""
     lines = []
     for pipeline, limit in report["decode_limit"].items():
+        draft = (f"; draft mode {limit['draft_limit_samples_per_s']:.0f}" if "draft_limit_samples_per_s" in limit else "")
         lines += [f"\n{pipeline}: decode limit {limit['limit_samples_per_s']:.0f} samples/s "
-                  f"({limit['one_core_samples_per_s']:.0f} per core × {limit['workers']} workers)\n",
+                  f"({limit['one_core_samples_per_s']:.0f} per core × {limit['workers']} workers{draft})\n",
                   "| loader | samples/s | CPU ms/sample | first batch s | peak PSS MiB | vs DataLoader | vs decode limit |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         for row in (r for r in report["rows"] if r["pipeline"] == pipeline):
