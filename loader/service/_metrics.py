@@ -114,6 +114,8 @@ REMOTE_ROUND_TRIP = _m("remote_round_trip_seconds", "gauge", "modality quantile"
                        "a remote decode task from sending to its result, percentile over a sliding window")
 REMOTE_REISSUED = _m("remote_reissued", "counter", "modality", "remote tasks past their deadline, decoded locally")
 REMOTE_LOST = _m("remote_lost", "counter", "modality", "remote workers lost (actor or node gone) mid-task")
+REMOTE_OVERDUE = _m("remote_overdue", "gauge", "modality",
+                    "answers of remote tasks past their deadline not come yet (their actors get no new task)")
 REMOTE_RETURNED = _m("remote_returned_bytes", "counter", "modality", "bytes of decoded arrays remote workers sent back")
 RESIZES = _m("resizes", "counter", "", "resizes (changes of the data-parallel world size) performed")
 RESIZE_SECONDS = _m("resize_seconds", "counter", "", "seconds spent in resizes, all together")
@@ -263,7 +265,8 @@ def _remote(families: _Families, remote: Mapping[str, Any]) -> None:
             continue
         for spec, key in ((REMOTE_WORKERS, "workers"), (REMOTE_TARGET, "target"), (REMOTE_DECODED, "decoded"),
                           (REMOTE_PER_S, "decoded_per_s"), (LOCAL_PER_S, "local_per_s"),
-                          (REMOTE_REISSUED, "reissued"), (REMOTE_LOST, "lost"), (REMOTE_RETURNED, "returned_bytes")):
+                          (REMOTE_REISSUED, "reissued"), (REMOTE_LOST, "lost"), (REMOTE_OVERDUE, "overdue"),
+                          (REMOTE_RETURNED, "returned_bytes")):
             families.add(spec, stats.get(key), modality)
         for key, value in _section(stats, "round_trip_s").items():
             if (q := quantile_label(key)) is not None:

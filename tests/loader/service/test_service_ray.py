@@ -47,5 +47,6 @@ def test_the_service_serves_on_local_workers_while_ray_is_unreachable(
     assert all(m["workers"] == 0 and m["local_decoded"] > 0 for m in snapshot["remote"]["modalities"].values())
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 1  # one warning, not one per task
     names = {metric.name for metric in ServiceCollector(lambda: snapshot).collect()}
-    assert {"omnifeed_remote_workers", "omnifeed_remote_outages", "omnifeed_local_decoded_per_second"} <= names
+    assert {"omnifeed_remote_workers", "omnifeed_remote_outages", "omnifeed_remote_overdue",
+            "omnifeed_local_decoded_per_second"} <= names
     assert "UNREACHABLE" in render_stats(snapshot, None)
