@@ -81,17 +81,18 @@ def run(columns: dict[str, np.ndarray], config: PlanConfig, world_size: int, cos
     samples = len(columns["text_tokens"])
     start = time.perf_counter()
     plan = Plan(samples, config, index_fingerprint="bench", lengths=lambda p: {k: v[p] for k, v in columns.items()})
-    cursor, report = PlanCursor(plan, world_size=world_size), PlanReport(plan, cost=cost)
-    balances = []
-    while not cursor.epoch_delivered(0):
-        step = cursor.next_step()
+    cursor, report, last_step = PlanCursor(plan, world_size=world_size), PlanReport(plan, cost=cost), PlanReport(plan, cost=cost)
+    step = cursor.next_step()
+    while not cursor.epoch_delivered(0):  # the report trails by one step: the last is measured on its own too
         report.add(step)
-        costs = [mb.cost for mb in step.micro_batches]
-        balances.append(max(costs) / max(float(np.mean(costs)), 1e-9))
-    stats = report.stats()
+        step = cursor.next_step()
     # the epoch's final step deals the last window's light leftovers (nothing carries out of an epoch)
-    stats["balance_last_step"] = round(balances[-1], 4)
-    stats["balance_worst_before_last_step"] = round(max(balances[:-1], default=1.0), 4)
+    worst_before_last = report.stats()["balance_max_over_mean"]["worst"]
+    report.add(step)
+    last_step.add(step)
+    stats = report.stats()
+    stats["balance_last_step"] = round(last_step.stats()["balance_max_over_mean"]["worst"], 4)
+    stats["balance_worst_before_last_step"] = round(worst_before_last, 4)
     stats["window_size"] = plan.window_size
     stats["samples_per_micro_batch"] = round(stats["samples"] / max(stats["micro_batches"], 1), 2)
     return {**stats, "seconds": round(time.perf_counter() - start, 2)}

@@ -27,6 +27,7 @@ from typing import Literal
 import numpy as np
 
 from ._cost import CostModel, sample_costs
+from ._layout import mix_masks
 
 _LIGHT = 0.75  # a micro-batch under this fraction of the budget is a leftover worth merging
 
@@ -131,8 +132,13 @@ def _fill_buckets(
     return filler, leftovers
 
 
-def _absorb_light(done: list[tuple[list[int], float]], rows: list[list[float]], weights: _Weights, budget: float,
-                  max_size: int | None) -> list[tuple[list[int], float]]:
+def _padded(sizes: np.ndarray, longest: np.ndarray, weights: _Weights) -> np.ndarray:
+    """Padded cost of micro-batches of ``sizes`` samples whose streams' longest are the rows of ``longest``."""
+    return sizes * ((longest + weights.quadratic * longest * longest) @ np.asarray(weights.weights, dtype=np.float64))
+
+
+def _absorb_light(done: list[tuple[list[int], float]], rows: list[list[float]], present: np.ndarray, weights: _Weights,
+                  budget: float, max_size: int | None) -> list[tuple[list[int], float]]:
     """Spread each light micro-batch's samples over micro-batches of their own modality mix that have room.
 
     A sample goes where it leaves the fullest micro-batch within budget; a light micro-batch is
@@ -141,12 +147,10 @@ def _absorb_light(done: list[tuple[list[int], float]], rows: list[list[float]], 
     if len(done) < 2 or not rows:
         return done
     table = np.asarray(rows, dtype=np.float64)
-    w = np.asarray(weights.weights, dtype=np.float64)
     members = [list(batch) for batch, _ in done]
     sizes = np.array([len(m) for m in members], dtype=np.float64)
     longest = np.stack([table[m].max(axis=0) for m in members])
-    present = (table > 0) @ (1 << np.arange(table.shape[1], dtype=np.int64))
-    kinds = np.array([np.bitwise_or.reduce(present[m]) if len(set(present[m].tolist())) == 1 else -1 for m in members])
+    kinds = np.array([present[m[0]] if np.all(present[m] == present[m[0]]) else -1 for m in members])  # -1: mixed
     costs = np.array([cost for _, cost in done])
     alive = np.ones(len(done), dtype=bool)
     for k in np.argsort(costs, kind="stable").tolist():
@@ -156,7 +160,7 @@ def _absorb_light(done: list[tuple[list[int], float]], rows: list[list[float]], 
         trial_sizes, trial_longest, trial_costs, moves = sizes.copy(), longest.copy(), costs.copy(), []
         for sample in members[k]:
             top = np.maximum(trial_longest, table[sample])
-            with_it = (trial_sizes + 1) * ((top + weights.quadratic * top * top) @ w)
+            with_it = _padded(trial_sizes + 1, top, weights)
             fits = alive & (kinds == present[sample]) & (with_it <= budget)
             if max_size is not None:
                 fits &= trial_sizes < max_size
@@ -188,14 +192,13 @@ def _merge_light(done: list[tuple[list[int], float]], rows: list[list[float]], w
     sizes = np.array([len(done[i][0]) for i in light], dtype=np.float64)
     longest = np.array([np.max([rows[m] for m in done[i][0]], axis=0) for i in light], dtype=np.float64).reshape(len(light), -1)
     costs = np.array([done[i][1] for i in light])
-    w = np.asarray(weights.weights, dtype=np.float64)
     alive = np.ones(len(light), dtype=bool)
     members = {i: list(done[i][0]) for i in light}
     for k in np.argsort(costs, kind="stable").tolist():
         if not alive[k] or costs[k] > budget / 2:  # two costing more than half a budget never fit together
             continue
         top = np.maximum(longest, longest[k])
-        merged = (sizes + sizes[k]) * ((top + weights.quadratic * top * top) @ w)
+        merged = _padded(sizes + sizes[k], top, weights)
         fits = alive & (merged <= budget) & (np.arange(len(light)) != k)
         if max_size is not None:
             fits &= sizes + sizes[k] <= max_size
@@ -232,10 +235,8 @@ def assemble_budget(
     except OverBudgetError as exc:  # name the sample by its position, not its place in the window
         raise OverBudgetError(int(positions[exc.position]), exc.cost, exc.budget) from None
     # leftovers meet by modality mix first (no rows of pure padding), then by cost
-    present = np.zeros(len(leftovers), dtype=np.int64)
-    for bit, stream in enumerate(streams):
-        present |= (lengths[stream][leftovers] > 0).astype(np.int64) << bit
-    by_cost = np.lexsort([costs[leftovers], present]) if leftovers else np.zeros(0, dtype=np.int64)
+    present = mix_masks(lengths, tuple(streams))
+    by_cost = np.lexsort([costs[leftovers], present[leftovers]]) if leftovers else np.zeros(0, dtype=np.int64)
     for k in by_cost.tolist():
         filler.offer(leftovers[k], rows[leftovers[k]])
     consumed = 0
@@ -245,8 +246,9 @@ def assemble_budget(
             filler.open.add(len(rows) + consumed, extra[consumed])
             consumed += 1
         rows = rows + extra[:consumed]
+        present = np.concatenate([present, mix_masks(lookahead_lengths, tuple(streams))[:consumed]])
     filler.close()
-    filler.done = _absorb_light(filler.done, rows, weights, budget, max_batch_size)
+    filler.done = _absorb_light(filler.done, rows, present, weights, budget, max_batch_size)
     filler.done = _merge_light(filler.done, rows, weights, budget, max_batch_size)
     pool = np.concatenate([positions, lookahead_positions[:consumed]]) if lookahead_positions is not None else positions
     return Assembled(

@@ -269,26 +269,34 @@ def run_omnifeed(spec: RunSpec, draft: bool = False, processes: bool = False) ->
     return _epoch(FeedClient.in_process(config))
 
 
-def run_omnifeed_service(spec: RunSpec) -> Iterable[dict[str, Any]]:
-    """`omnifeed serve` in a child process and a FeedClient reading from it over shared memory."""
+def start_service(spec: RunSpec, work: Path, python: str = sys.executable) -> tuple[subprocess.Popen[bytes], str]:
+    """`omnifeed serve` of ``spec``'s index and feed config in a child process, its files in ``work``;
+    returns once it answers: the process and its socket."""
     import yaml
 
     from omnifeed.loader.service import wait_until_serving
-    from omnifeed.trainer_adapter import FeedClient
 
-    Path(spec.work).chmod(0o700)  # the service refuses a socket directory other users can enter
-    socket = Path(spec.work) / "feed.sock"
-    config = Path(spec.work) / "service.yaml"
+    work.mkdir(parents=True, exist_ok=True)
+    work.chmod(0o700)  # the service refuses a socket directory other users can enter
+    socket, config = work / "feed.sock", work / "service.yaml"
     config.write_text(yaml.safe_dump({"index": spec.index, "socket": str(socket),
                                       "feed": feed_config(spec).model_dump(mode="json")}), encoding="utf-8")
-    service = subprocess.Popen([sys.executable, "-m", "omnifeed.tools", "serve", "--config", str(config)],
+    service = subprocess.Popen([python, "-m", "omnifeed.tools", "serve", "--config", str(config)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     wait_until_serving(str(socket), service, 120.0,
                        detail=lambda: service.stderr.read().decode() if service.poll() is not None and service.stderr else "")
+    return service, str(socket)
+
+
+def run_omnifeed_service(spec: RunSpec) -> Iterable[dict[str, Any]]:
+    """`omnifeed serve` in a child process and a FeedClient reading from it over shared memory."""
+    from omnifeed.trainer_adapter import FeedClient
+
+    service, socket = start_service(spec, Path(spec.work))
 
     def batches() -> Iterator[dict[str, Any]]:
         try:
-            yield from _epoch(FeedClient(str(socket)))
+            yield from _epoch(FeedClient(socket))
         finally:
             service.terminate()
             service.wait(timeout=60)

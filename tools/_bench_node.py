@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ._bench_loaders import RunSpec, batch_size_of, feed_config
+from ._bench_loaders import RunSpec, batch_size_of, start_service
 
 LAYOUTS = ("dp", "tp")
 NODE_LOADERS = ("dataloader", "omnifeed-service")
@@ -86,21 +86,9 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
 
 
 def _start_service(run: RunSpec, work: Path, python: str) -> tuple[subprocess.Popen[bytes], str, float]:
-    import yaml
-
-    from omnifeed.loader.service import wait_until_serving
-
-    work.mkdir(parents=True, exist_ok=True)
-    work.chmod(0o700)  # the service refuses a socket directory other users can enter
-    socket, config = work / "feed.sock", work / "service.yaml"
-    config.write_text(yaml.safe_dump({"index": run.index, "socket": str(socket),
-                                      "feed": feed_config(run).model_dump(mode="json")}), encoding="utf-8")
     started = time.perf_counter()
-    service = subprocess.Popen([python, "-m", "omnifeed.tools", "serve", "--config", str(config)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_until_serving(str(socket), service, 120.0,
-                       detail=lambda: service.stderr.read().decode() if service.poll() is not None and service.stderr else "")
-    return service, str(socket), time.perf_counter() - started
+    service, socket = start_service(run, work, python)
+    return service, socket, time.perf_counter() - started
 
 
 def run_scenario(layout: str, loader: str, ranks: int, run: RunSpec, python: str = sys.executable,

@@ -30,7 +30,7 @@ from omnifeed.loader import (
     validated,
 )
 from omnifeed.loader.index import default_workers
-from omnifeed.loader.plan import PlanReport, alone_costs, budget_guidance, suggest_budget
+from omnifeed.loader.plan import PlanReport, budget_guidance, suggest_budget
 
 from ._precache import PrecacheJob
 
@@ -268,8 +268,7 @@ def _stats(report: PlanReport, index: SampleIndex, plan: Plan, args: argparse.Na
 
 def _guidance(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
     """Samples over the budget and, when there are any, what the budgets holding 99 % / 100 % of them alone give."""
-    costs = alone_costs(plan)
-    guidance = budget_guidance(plan, costs)
+    guidance = budget_guidance(plan)
     if not guidance["samples_over_budget"]:
         return guidance
     assert plan.bucketing is not None

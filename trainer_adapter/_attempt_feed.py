@@ -3,7 +3,7 @@
 An **attempt** is a run of the job since it loaded a checkpoint (or since it started from scratch).
 Every delivery record is tagged ``"since": ATTEMPT``, and the attempt's first delivery is preceded
 by a **resume marker** (``{"resume": ATTEMPT, "epoch", "step", "accum_done", "topology_version",
-"keys": []}``), as the service writes them (``loader/service/_attempts.py``): `omnifeed verify` then
+"keys": []}``), the service's own (`omnifeed.loader.service.resume_marker`): `omnifeed verify` then
 rolls back what earlier attempts delivered from that step on and never committed, instead of counting
 it twice after a restart.
 
@@ -27,6 +27,7 @@ import xxhash
 from omnifeed.loader import Feed, SampleIndex
 from omnifeed.loader.feed import FeedConfig, Taken
 from omnifeed.loader.plan import open_audit_log
+from omnifeed.loader.service import resume_marker
 
 _ROUND_VARIABLES = ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE")
 
@@ -42,7 +43,7 @@ def torchrun_round(environ: Mapping[str, str]) -> str:
 
 
 def checkpoint_digest(state: Mapping[str, Any]) -> str:
-    """The digest that names a loaded checkpoint (the service's, from the same JSON)."""
+    """The digest that names a loaded checkpoint (the client's hello carries it to the service as ``resume``)."""
     return xxhash.xxh64_hexdigest(json.dumps(state, sort_keys=True).encode())
 
 
@@ -82,10 +83,7 @@ class AttemptFeed(Feed):
             return taken
         if self.attempt is None:
             self.attempt = f"{self._checkpoint}-{xxhash.xxh64_hexdigest(self._round.encode())[:12]}"
-            state = self.state_dict()
-            self._write({"resume": self.attempt, "epoch": state["plan"]["epoch"], "step": state["plan"]["step"],
-                         "accum_done": state["accum_done"], "topology_version": state["plan"]["topology_version"],
-                         "keys": []})
+            self._write(resume_marker(self.attempt, self.state_dict()))
         taken = super().take()
         self._write({**taken.record, "since": self.attempt})
         return taken

@@ -22,7 +22,6 @@ service that was up and went away.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -31,8 +30,6 @@ import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
-
-import xxhash
 
 from omnifeed.loader import Feed, FeedError
 from omnifeed.loader.feed import FEED_STATE_FORMAT
@@ -51,7 +48,7 @@ from omnifeed.loader.service import (
     send,
 )
 
-from ._attempt_feed import AttemptFeed, torchrun_round
+from ._attempt_feed import AttemptFeed, checkpoint_digest, torchrun_round
 from ._hints import LrRule, TopologyHints, topology_hints
 from ._segments import Handoff
 
@@ -329,7 +326,7 @@ class FeedClient:
         else:
             self._goodbye()
             self._state = dict(state)
-            self._resumed_from = xxhash.xxh64_hexdigest(json.dumps(state, sort_keys=True).encode())
+            self._resumed_from = checkpoint_digest(state)
             self._attempt = None
             self._connected(time.monotonic() + self.reconnect_timeout_s)
         if saved == (self.dp_world_size, self.grad_accum):

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from omnifeed.loader.service import (
+    DTYPES,
     MAX_REPLY_BYTES,
     FrameReader,
     ProtocolError,
@@ -48,9 +49,6 @@ if TYPE_CHECKING:
     import socket
 
     import torch
-
-_DTYPES = ("uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bool", "bfloat16")
-
 
 def _counts_available() -> bool:
     import torch
@@ -69,7 +67,7 @@ class SegmentView:
         self.bytes = torch.from_numpy(self.base)
         self._typed: dict[str, torch.Tensor] = {}
         if eager:  # every view the client makes later would move the storage's use count off its baseline
-            for name in _DTYPES:
+            for name in DTYPES:
                 self._view_as(name)
 
     def _view_as(self, name: str) -> torch.Tensor:

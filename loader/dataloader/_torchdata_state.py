@@ -189,7 +189,8 @@ def torchdata_shuffle(loader: Any) -> ShuffleSwap | None:
 
 def needs_torchdata_shuffle(state: Mapping[str, Any]) -> bool:
     """Whether an omnifeed state was written by a loader that had adopted StatefulDataLoader's shuffle."""
-    snapshot = state.get("sampler", {}).get("snapshot") if isinstance(state.get("sampler"), Mapping) else None
+    sampler = state.get("sampler")
+    snapshot = sampler.get("snapshot") if isinstance(sampler, Mapping) else None
     return isinstance(snapshot, Mapping) and isinstance(snapshot.get("sampler"), Mapping) \
         and SHUFFLE_KEY in snapshot["sampler"]
 

@@ -185,12 +185,13 @@ class ScratchArena:
     def adopt(self, block: Block, skeleton: Any, specs: list[tuple[int, str, tuple[int, ...]]]) -> Any:
         """The value the worker placed in ``block``: its arrays as views, each freed when no array uses it any more."""
         arrays = []
-        ends = [offset for offset, _, _ in specs[1:]] + [_round_up(specs[-1][0] + _nbytes(specs[-1]))]
-        for (offset, dtype, shape), end in zip(specs, ends):
+        end = block[0]
+        for offset, dtype, shape in specs:  # placed as `WorkerScratch.place` lays them out: aligned, in order
             region = _Region(shape, np.dtype(dtype), buffer=self.buffer, offset=offset)
+            end = _round_up(offset + region.nbytes)
             weakref.finalize(region, self._freed.append, (offset, end - offset))
             arrays.append(region.view(np.ndarray))
-        used = ends[-1] - block[0]
+        used = end - block[0]
         with self._lock:
             self._want = max(self._want, used)
             if used < block[1]:
@@ -217,11 +218,3 @@ class ScratchArena:
             free[i - 1] = (offset, size)
             return
         free.insert(i, (offset, size))
-
-
-def _nbytes(spec: tuple[int, str, tuple[int, ...]]) -> int:
-    count = 1
-    for n in spec[2]:
-        count *= n
-    return count * np.dtype(spec[1]).itemsize
-

@@ -61,25 +61,33 @@ def _serve(conn: Connection, scratch: WorkerScratch | None) -> None:
         except (EOFError, OSError):
             return
         try:
-            value = function(*args)
-            placed = None
-            if scratch is not None and block is not None:
-                placed = scratch.place(value, block)
-                if placed is None and scratch.needed(value):  # ask for a block that fits, once
-                    conn.send(("need", scratch.needed(value)))
-                    block = conn.recv()
-                    placed = scratch.place(value, block) if block is not None else None
-            reply: tuple[str, Any] = ("ok", value) if placed is None else ("placed", placed)
-        except (EOFError, OSError):
-            return
-        except BaseException as exc:  # noqa: BLE001  re-raised in the calling thread
+            reply: tuple[str, Any] = ("ok", function(*args))
+        except BaseException as exc:  # noqa: BLE001  re-raised in the calling thread (an OSError included)
             reply = ("error", exc)
+        if reply[0] == "ok" and scratch is not None and block is not None:
+            try:
+                reply = _placed(conn, scratch, reply[1], block)
+            except (EOFError, OSError):  # the pipe: the parent is gone
+                return
+            except Exception as exc:  # noqa: BLE001  re-raised in the calling thread
+                reply = ("error", exc)
         try:
             conn.send(reply)
         except (EOFError, OSError):
             return
         except Exception as exc:  # noqa: BLE001  the value or the exception does not pickle
             conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+
+
+def _placed(conn: Connection, scratch: WorkerScratch, value: Any, block: tuple[int, int]) -> tuple[str, Any]:
+    """("placed", (skeleton, specs)) once ``value``'s arrays are in the scratch area, else ("ok", value) for the pipe."""
+    placed = scratch.place(value, block)
+    need = scratch.needed(value) if placed is None else 0
+    if need:  # ask for a block that fits, once
+        conn.send(("need", need))
+        block = conn.recv()
+        placed = scratch.place(value, block) if block is not None else None
+    return ("ok", value) if placed is None else ("placed", placed)
 
 
 class _LeanPopen(popen_forkserver.Popen):

@@ -30,6 +30,17 @@ class DecodedEntryError(ValueError):
     """A cached decoded entry does not parse (treated as a miss)."""
 
 
+def tensor_bytes(value: Any) -> int:
+    """Bytes held by a decoded value (arrays, (text, tokens) pairs, raw bytes)."""
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, tuple):
+        return sum(tensor_bytes(v) for v in value)
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    return 0
+
+
 def encode_decoded(value: Any) -> bytes:
     """The entry bytes of a decoder's output."""
     parts: list[bytes] = [_MAGIC]

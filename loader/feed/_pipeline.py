@@ -27,8 +27,6 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from ..plan._cursor import DealingStopped, PlanCursor, Step
 from ..decode._registry import DecodeError
 from .._errors import SourceError
@@ -41,6 +39,7 @@ from ._pools import DecodePools, PoolOwner
 from ..index._records import FieldLocation
 from ..decode._worker_procs import WorkerDied
 from ...cache import is_local
+from ._decoded_codec import tensor_bytes
 from ._field_source import FieldSource, Loaded
 from ._field_decoders import FieldDecoders
 from ._remote import remote_decoders
@@ -89,17 +88,6 @@ def fields_to_decode(sample: IndexedSample) -> list[tuple[str, FieldLocation]]:
     return [*chosen.items(), *metas]
 
 
-def tensor_bytes(value: Any) -> int:
-    """Bytes held by a decoded value (arrays, (text, tokens) pairs, raw bytes)."""
-    if isinstance(value, np.ndarray):
-        return int(value.nbytes)
-    if isinstance(value, tuple):
-        return sum(tensor_bytes(v) for v in value)
-    if isinstance(value, (bytes, str)):
-        return len(value)
-    return 0
-
-
 class FieldReader:
     """Loads fields through the cache chain in I/O threads, decodes them (`FieldDecoders`) and runs the transforms.
 
@@ -123,7 +111,7 @@ class FieldReader:
         less than handing it between threads (with 16 I/O threads the feed lost 40 % of its
         local-disk throughput to thread hand-offs; benchmarks/RESULTS.md).
         """
-        if is_local(sample.shard.url) or self.remote is not None and location.modality in self.remote.slots():
+        if is_local(sample.shard.url) or self.remote is not None and location.modality in self.remote.modalities:
             return None  # a remote modality's field is read by whichever side decodes it
         return self._io.submit(self.source.load, sample, location)
 

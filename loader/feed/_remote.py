@@ -35,6 +35,7 @@ from ..index._ray_build import _check_reachable, import_ray
 from ..index._records import FieldLocation
 from ..index._sample_index import IndexedSample
 from ._config import FeedConfig
+from ._decoded_codec import tensor_bytes
 from ._field_decoders import FieldDecoders, matching_field
 from ._field_source import FieldSource
 from ._metrics import FeedMetrics
@@ -79,14 +80,6 @@ class _Modality:
     round_trip: deque[float] = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
 
 
-def _nbytes(value: Any) -> int:
-    if isinstance(value, np.ndarray):
-        return int(value.nbytes)
-    if isinstance(value, tuple):
-        return sum(_nbytes(v) for v in value)
-    return len(value) if isinstance(value, (bytes, str)) else 0
-
-
 def _writable(value: Any) -> Any:
     """Arrays from Ray's object store are read-only views of it: copies, so a transform may write and the store frees."""
     if isinstance(value, np.ndarray) and not value.flags.writeable:
@@ -110,6 +103,7 @@ class RemoteDecoders:
         self._mods = {m: _Modality(r, [None] * r.cap, r.workers) for m, r in pools.items() if r is not None}
         if not self._mods:
             raise ValueError("no pool has remote workers (pools.<modality>.remote)")
+        self.modalities = frozenset(self._mods)  # the modalities decoded remotely as well
         self._ray = import_ray()
         self.address = next(iter(self._mods.values())).config.address
         self._retry_s = min(m.config.retry_s for m in self._mods.values())
@@ -224,7 +218,7 @@ class RemoteDecoders:
         with self._cond:
             mod.decoded += 1
             mod.round_trip.append(time.perf_counter() - started)
-            mod.returned_bytes += _nbytes(value)
+            mod.returned_bytes += tensor_bytes(value)
             mod.actor_read_bytes += read
         return value, 0 if data is None else len(data)
 

@@ -31,14 +31,13 @@ def alone_costs(plan: Plan) -> np.ndarray:
     parts = []
     for start in range(0, plan.num_samples, _CHUNK):
         positions = np.arange(start, min(start + _CHUNK, plan.num_samples), dtype=np.int64)
-        lengths = plan.stream_lengths(positions)
-        parts.append(sample_costs({s: v for s, v in lengths.items() if cost.weight(s) > 0}, cost))
+        parts.append(sample_costs(plan.stream_lengths(positions), cost))  # a stream of weight 0 adds 0
     return np.concatenate(parts)
 
 
-def budget_guidance(plan: Plan, costs: np.ndarray | None = None) -> dict[str, Any]:
+def budget_guidance(plan: Plan) -> dict[str, Any]:
     """``samples_over_budget`` (count and fraction) at the plan's budget, and the budgets holding 99 % / 100 % of samples alone."""
-    values = alone_costs(plan) if costs is None else costs
+    values = alone_costs(plan)
     budget = plan.budget
     assert budget is not None
     over = int(np.count_nonzero(values > budget))
@@ -72,28 +71,27 @@ def samples_per_micro_batch(plan: Plan, samples: int = _SEARCH_SAMPLES) -> float
     return taken / max(batches, 1)
 
 
-def suggest_budget(plan: Plan, target: float, costs: np.ndarray | None = None) -> dict[str, Any]:
+def suggest_budget(plan: Plan, target: float) -> dict[str, Any]:
     """The budget whose micro-batches hold ``target`` samples on average (bisection on a plan of a window's worth).
 
     Raises ValueError for a target below 1.
     """
     if target < 1:
         raise ValueError(f"--suggest-budget {target}: give the samples per micro-batch wanted, 1 or more")
-    values = alone_costs(plan) if costs is None else costs
+    values = alone_costs(plan)
     mean = float(values.mean()) if values.size else 1.0
     low, high = max(mean * target / 4, 1.0), max(mean * target * 4, float(values.max(initial=1.0)))
 
-    def planned(budget: float) -> tuple[Plan, float]:
-        trial = plan.with_config(_with_budget(plan.config, budget))
-        return trial, samples_per_micro_batch(trial)
+    def planned(budget: float) -> float:
+        return samples_per_micro_batch(plan.with_config(_with_budget(plan.config, budget)))
 
     for _ in range(_SEARCH_STEPS):
         if high / low < 1.005:
             break
         middle = math.sqrt(low * high)
-        low, high = (middle, high) if planned(middle)[1] < target else (low, middle)
+        low, high = (middle, high) if planned(middle) < target else (low, middle)
     budget = float(math.ceil(high))
-    _, per_batch = planned(budget)
+    per_batch = planned(budget)
     over = int(np.count_nonzero(values > budget))
     return {"suggested_budget": budget, "target_samples_per_micro_batch": target,
             "samples_per_micro_batch": round(per_batch, 3), "samples_over_budget": over,

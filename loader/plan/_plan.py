@@ -145,8 +145,7 @@ class Plan:
             self._shard_starts = np.concatenate([[0], np.cumsum(shard_sizes, dtype=np.int64)])
             if self._shard_starts[-1] != num_samples:
                 raise ValueError("shard sizes do not add up to the number of samples")
-            self._by_shard = by_shard
-        self._shard_sizes, self._by_shard_given = shard_sizes, by_shard
+        self._shard_sizes, self._by_shard = shard_sizes, by_shard  # kept for with_config
         self._lengths = lengths
         self._describe = describe or (lambda position: f"position {position}")
         # A step that straddles an epoch or window boundary alternates between two of each.
@@ -175,7 +174,7 @@ class Plan:
     def with_config(self, config: PlanConfig) -> Plan:
         """The plan of another config over the same index (its lengths, shards and sample names)."""
         return Plan(self.num_samples, config, index_fingerprint=self.index_fingerprint, shard_sizes=self._shard_sizes,
-                    by_shard=self._by_shard_given, lengths=self._lengths, describe=self._describe)
+                    by_shard=self._by_shard, lengths=self._lengths, describe=self._describe)
 
     @property
     def budget(self) -> float | None:
@@ -399,10 +398,11 @@ class Plan:
         if (epoch, window) in self._windows:
             self._windows.move_to_end((epoch, window))
             return self._windows[(epoch, window)]
-        per = self.config.shards_per_window
+        per, by_shard = self.config.shards_per_window, self._by_shard
+        assert by_shard is not None  # shuffle='shard_block' refuses a plan without it
         shards = order[window * per : (window + 1) * per]
         members = np.concatenate(
-            [np.asarray(self._by_shard[self._shard_starts[s] : self._shard_starts[s + 1]]) for s in shards]
+            [np.asarray(by_shard[self._shard_starts[s] : self._shard_starts[s + 1]]) for s in shards]
         )
         shuffle = KeyedPermutation(len(members), [self.config.seed, epoch, _TAG_WINDOW, window])
         members = members[shuffle(np.arange(len(members)))]

@@ -1,6 +1,7 @@
 """omnifeed.loader.service: the sidecar — server, streams, shared-memory arena, protocol, metrics endpoint."""
 
-from ._arena import batch_hook, build_template, merge, read_layout, read_reference
+from ._arena import DTYPES, batch_hook, build_template, merge, read_layout, read_reference
+from ._attempts import resume_marker
 from ._config import ServiceConfig, default_socket
 from ._metrics import start_metrics_server
 from ._protocol import (
@@ -23,6 +24,7 @@ from ._protocol import (
 from ._server import FeedService
 
 __all__ = [
+    "DTYPES",
     "FeedService",
     "FrameReader",
     "MAX_REPLY_BYTES",
@@ -44,6 +46,7 @@ __all__ = [
     "receive",
     "receive_frame",
     "request_metrics",
+    "resume_marker",
     "send",
     "start_metrics_server",
     "wait_until_serving",

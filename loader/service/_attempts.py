@@ -16,9 +16,17 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from collections.abc import Mapping
 from typing import IO, Any
 
 from ..plan import open_audit_log
+
+
+def resume_marker(attempt: str, state: Mapping[str, Any]) -> dict[str, Any]:
+    """The audit record that opens ``attempt`` at ``state`` (a feed state): where its deliveries resume."""
+    plan = state["plan"]
+    return {"resume": attempt, "epoch": plan["epoch"], "step": plan["step"], "accum_done": state["accum_done"],
+            "topology_version": plan["topology_version"], "keys": []}
 
 
 class AttemptLog:
@@ -45,9 +53,7 @@ class AttemptLog:
                 return current[0]
             opened = f"{resume}-{uuid.uuid4().hex[:8]}"
             self._attempts[resume] = (opened, False)
-            self._write({"resume": opened, "epoch": state["plan"]["epoch"], "step": state["plan"]["step"],
-                         "accum_done": state["accum_done"], "topology_version": state["plan"]["topology_version"],
-                         "keys": []})
+            self._write(resume_marker(opened, state))
             return opened
 
     def crashed(self, attempt: str) -> None:

@@ -79,3 +79,17 @@ def test_only_light_leftovers_with_room_are_carried_lightest_first_within_the_li
     assert light_to_carry(costs, sizes, 100.0, limit=8) == [1, 3, 4]
     assert light_to_carry(costs, sizes, 100.0, limit=4) == [1, 3]
     assert light_to_carry(costs, sizes, 100.0, limit=0) == []
+
+
+def test_a_light_micro_batch_is_absorbed_by_one_of_its_own_mix_with_room_and_light_ones_merge_within_budget() -> None:
+    from omnifeed.bucketing._assemble import _absorb_light, _merge_light, _Weights
+
+    weights = _Weights([1.0, 1.0], 0.0)
+    rows = [[20.0, 0.0]] * 4 + [[10.0, 0.0], [0.0, 10.0], [20.0, 10.0]]  # text x 5, an image, a captioned image
+    present = np.array([1, 1, 1, 1, 1, 2, 3])
+    done = [([0, 1, 2, 3], 80.0), ([4], 10.0), ([5], 10.0), ([6], 30.0)]
+    absorbed = _absorb_light(done, rows, present, weights, 100.0, None)
+    assert absorbed == [([0, 1, 2, 3, 4], 100.0), ([5], 10.0), ([6], 30.0)], "text joins text; other mixes stay"
+    assert _absorb_light(done, rows, present, weights, 100.0, 4) == done, "max size leaves no room"
+    assert _merge_light(absorbed, rows, weights, 100.0, None) == [([0, 1, 2, 3, 4], 100.0), ([6, 5], 60.0)]
+    assert _merge_light(absorbed, rows, weights, 50.0, None) == absorbed, "a merge over budget is not made"

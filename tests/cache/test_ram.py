@@ -94,6 +94,21 @@ def test_a_discarded_entry_never_comes_back_and_its_replacement_outlives_it(ops:
         tier.unlink()
 
 
+def test_the_ring_reclaiming_a_discarded_entry_keeps_the_value_stored_after_it(ram_config: RamTierConfig) -> None:
+    """The discarded entry's bytes stay at the ring's head; reclaiming them must not drop the key's newer entry."""
+    with RamTier(ram_config) as tier:
+        assert tier.put(key(0), value(0, 16_000))
+        tier.discard(key(0))
+        assert tier.get(key(0)) is None
+        assert tier.put(key(0), value(10_000, 16_000))  # the value decoded again
+        for i in range(1, 64):  # fill until the ring reclaims its head: the discarded bytes
+            tier.put(key(i), value(i, 16_000))
+            if tier.stats()["evicted"]:
+                break
+        assert tier.stats()["evicted"] == 1
+        assert tier.get(key(0)) == value(10_000, 16_000)
+
+
 def test_training_epochs_keep_a_stable_resident_set(ram_config: RamTierConfig) -> None:
     """Every sample once per epoch in a new order: the resident set must not churn (LRU would hit ~3 %)."""
     n, size = 200, 4096

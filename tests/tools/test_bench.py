@@ -30,7 +30,8 @@ def test_quick_bench_runs_each_installed_loader_over_every_sample(tmp_path: Path
             row = rows[(loader, pipeline)]
             assert row["status"] == "ok", row
             assert row["samples"] == total  # one epoch: every sample once
-            assert row["samples_per_s"] > 0 and row["cpu_s_per_sample"] > 0 and row["peak_pss_mib"] > 0
+            # CPU time has a clock tick's resolution (10 ms): a quick run's few batches after the first may show none
+            assert row["samples_per_s"] > 0 and row["cpu_s_per_sample"] >= 0 and row["peak_pss_mib"] > 0
         assert rows[("dataloader", pipeline)]["vs_dataloader"] == 1.0
     assert rows[("dali", "mixed")]["status"].startswith("n/a")
     dali = rows[("dali", "image")]["status"]

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import pickle
 import random
-import signal
 import subprocess
 import sys
 import time

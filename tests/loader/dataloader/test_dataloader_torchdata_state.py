@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -52,10 +53,8 @@ def _checkpoint(make: Any, steps: int | None) -> dict[str, Any]:
     """A StatefulDataLoader checkpoint after ``steps`` batches (None: after the epoch's end)."""
     torch.manual_seed(1)
     loader = torchdata_sdl.StatefulDataLoader(**make())
-    it = iter(loader)
-    for _ in it if steps is None else range(steps):
-        if steps is not None:
-            next(it)
+    for _ in itertools.islice(loader, steps):  # steps=None: to the epoch's end
+        pass
     return loader.state_dict()
 
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import subprocess
-import sys
 from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
+from orphans import kill_parent_and_reap
 
 from omnifeed.loader.decode._scratch import ScratchArena, WorkerScratch
 from omnifeed.loader.decode._worker_procs import WorkerProcesses
@@ -133,21 +132,12 @@ def named_segments(before: set[str], pid: int) -> list[str]:
 
 
 def test_kill_9_of_the_parent_leaves_no_worker_and_no_shared_memory(tmp_path: Path) -> None:
-    script = tmp_path / "parent.py"
-    script.write_text(_PARENT)
     shm_before = set(os.listdir("/dev/shm"))
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"
-        children = psutil.Process(parent.pid).children(recursive=True)
-        maps = [open(f"/proc/{p.pid}/maps").read() for p in [psutil.Process(parent.pid), *children]]
+
+    def up(parent: psutil.Process, children: list[psutil.Process]) -> None:
+        maps = [open(f"/proc/{p.pid}/maps").read() for p in [parent, *children]]
         assert sum("omnifeed-decode" in m for m in maps) >= 2  # the parent and a worker map an area
         assert not named_segments(shm_before, parent.pid)  # never named: nothing there to leak
-    finally:
-        parent.kill()
-        parent.wait()
-    gone, alive = psutil.wait_procs(children, timeout=20)
-    for process in alive:
-        process.kill()
-    assert alive == [], [p.cmdline()[-1][:60] for p in alive]
-    assert not named_segments(shm_before, parent.pid)  # and the areas' last mappings died with the processes
+
+    pid = kill_parent_and_reap(tmp_path, _PARENT, up)
+    assert not named_segments(shm_before, pid)  # and the areas' last mappings died with the processes

@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 
 import psutil
 import pytest
+from orphans import kill_parent_and_reap
 
 from omnifeed.loader.decode._worker_procs import WorkerDied, WorkerProcesses
 
@@ -29,6 +30,10 @@ def die(code: int) -> None:
 
 def fail() -> None:
     raise ValueError("decoder said no")
+
+
+def fail_reading() -> None:
+    raise FileNotFoundError("tokenizer.json")
 
 
 @pytest.fixture()
@@ -74,6 +79,12 @@ def test_the_pool_keeps_serving_after_a_worker_died_and_errors_come_back_as_rais
     assert procs.run(payload, 3) == b"xxx"
 
 
+def test_an_os_error_of_the_function_comes_back_raised_and_the_worker_lives(procs: WorkerProcesses) -> None:
+    with pytest.raises(FileNotFoundError, match="tokenizer.json"):  # not the pipe's own EOF or OSError
+        procs.run(fail_reading)
+    assert procs.restarts == 0
+
+
 _PARENT = """
 import sys, time
 from multiprocessing import get_context
@@ -92,20 +103,10 @@ if __name__ == "__main__":
 
 
 def test_workers_exit_when_their_parent_is_killed(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    script = tmp_path / "parent.py"
-    script.write_text(_PARENT)
-    parent = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
-    try:
-        assert parent.stdout is not None and parent.stdout.readline().strip() == "ready"
-        children = psutil.Process(parent.pid).children(recursive=True)
+    def up(parent: psutil.Process, children: list[psutil.Process]) -> None:
         assert len(children) >= 3  # fork server, resource tracker, two workers
-    finally:
-        parent.kill()
-        parent.wait()
-    gone, alive = psutil.wait_procs(children, timeout=20)
-    for process in alive:
-        process.kill()
-    assert alive == [], [p.cmdline()[-1][:60] for p in alive]
+
+    kill_parent_and_reap(tmp_path, _PARENT, up)
 
 
 _SCRIPT_WITH_SIDE_EFFECTS = """
