@@ -87,6 +87,26 @@ def _refuse_foreign(path: Path, info: os.stat_result, closed: int) -> None:
                          "(created 0700 when absent)")
 
 
+def _refuse_swappable(root: Path) -> None:
+    """CacheError if another user could rename ``root`` (or a folder above it) away and put their own in its place.
+
+    LMDB opens the checked directory again by name, so the path itself must be stable: each folder
+    above it belongs to this user or root and is closed to writers, or is sticky (as /tmp is) with
+    the next component this user's or root's (the rule of OpenSSH's StrictModes).
+    """
+    child = root
+    for parent in root.parents:
+        info = os.lstat(parent)
+        mode = stat.S_IMODE(info.st_mode)
+        owner = os.lstat(child).st_uid
+        open_to_writers = info.st_uid not in (0, os.getuid()) or (mode & 0o022 and not mode & stat.S_ISVTX)
+        if open_to_writers or (mode & 0o022 and owner not in (0, os.getuid())):
+            raise CacheError(f"{parent} (of {_owner(info.st_uid)}, mode {mode:o}) lets another user replace {child} "
+                             f"and so the cache in {root}; point cache.nvme.path at a directory under folders "
+                             "only you (or root) can write, or under a sticky one like /tmp")
+        child = parent
+
+
 def _owned_directory(path: Path) -> Path:
     """``path`` with links resolved: a directory of this user that only it can write, created 0700 when absent.
 
@@ -103,6 +123,7 @@ def _owned_directory(path: Path) -> Path:
     if not stat.S_ISDIR(info.st_mode):
         raise CacheError(f"{path} is not a directory; point cache.nvme.path at a directory of your own")
     _refuse_foreign(root, info, 0o022)
+    _refuse_swappable(root)
     for name in _FILES:
         try:
             info = os.lstat(root / name)

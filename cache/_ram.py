@@ -83,7 +83,7 @@ def _attach(path: Path, size: int) -> tuple[mmap.mmap, bool]:
 
 
 def _open_private(path: Path, flags: int, mode: int = 0o600) -> int:
-    """Open ``path`` (never through a symlink), refusing a file another user owns or could open."""
+    """Open ``path`` (never through a symlink), refusing a file another user owns or could open, or a hard link."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW, mode)
     except OSError as exc:
@@ -93,6 +93,10 @@ def _open_private(path: Path, flags: int, mode: int = 0o600) -> int:
         os.close(fd)
         raise CacheError(f"{path} belongs to uid {info.st_uid} with mode {info.st_mode & 0o777:o}: another user could "
                          "read or write this cache; remove it, or name the RAM tier differently (cache.ram.name)")
+    if info.st_nlink != 1:  # a hard link another user planted at the name: the tier would overwrite that file
+        os.close(fd)
+        raise CacheError(f"{path} has {info.st_nlink} hard links: it may be another file of yours linked there; "
+                         "remove it, or name the RAM tier differently (cache.ram.name)")
     return fd
 
 

@@ -140,11 +140,16 @@ def _nvme_tier(folder: Path) -> dict[str, Any] | None:
     import lmdb
 
     data = folder / "data.mdb"
-    info = data.stat()
-    files = [data] + [folder / name for name in ("sketch.bin", "lock.mdb") if (folder / name).exists()]
+    info = data.lstat()
+    if not stat.S_ISREG(info.st_mode):
+        return None  # a FIFO would block the open below, a link could point anywhere: not a tier
+    files = [data] + [folder / name for name in ("sketch.bin", "lock.mdb") if (folder / name).is_file()]
     row: dict[str, Any] = {"tier": "nvme", "path": str(folder), "owner": _user(info.st_uid),
-                           "size_bytes": sum(f.stat().st_blocks * 512 for f in files), "entries": None,
-                           "bytes_used": None, "last_used": _when(max(f.stat().st_mtime for f in files)), "state": "ready"}
+                           "size_bytes": sum(f.lstat().st_blocks * 512 for f in files), "entries": None,
+                           "bytes_used": None, "last_used": _when(max(f.lstat().st_mtime for f in files)), "state": "ready"}
+    if info.st_uid != os.getuid():
+        # LMDB trusts its file's structure: another user's file is listed from its metadata, never parsed
+        return row | {"state": "another user's (not opened)"}
     try:  # lock=False: take no reader slot and no lock; a snapshot is all that is asked for
         env = lmdb.open(str(folder), readonly=True, lock=False, max_dbs=len(NvmeTier.SUB_DATABASES), readahead=False)
     except lmdb.Error as exc:

@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = _command(sub, "serve", "run the node's feed service: trainer ranks connect with FeedClient",
                      "omnifeed serve --config service.yaml",
-                     "omnifeed serve --config service.yaml --socket /tmp/feed.sock --metrics-port 9100")
+                     "omnifeed serve --config service.yaml --socket ~/.omnifeed/feed.sock --metrics-port 9100")
     serve.add_argument("--config", required=True, help="YAML service config (index, feed, socket, metrics_port, ...)")
     serve.add_argument("--socket", help="Unix socket path (overrides the config's)")
     serve.add_argument("--metrics-port", type=int, help="Prometheus endpoint port (overrides the config's; 0: any free)")
@@ -185,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.set_defaults(run=_run_verify, trailing="logs")
 
     stats = _command(sub, "stats", "print a running service's metrics live, and what limits throughput",
-                     "omnifeed stats", "omnifeed stats --socket /tmp/feed.sock --once --json")
+                     "omnifeed stats", "omnifeed stats --socket ~/.omnifeed/feed.sock --once --json")
     stats.add_argument("--socket", metavar="SOCKET",
                        help="the service's Unix socket (default: serve's, $TMPDIR/omnifeed-$UID/feed.sock)")
     stats.add_argument("--address", dest="socket", metavar="SOCKET", help=argparse.SUPPRESS)  # before 0.2

@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..plan._cursor import DealingStopped, PlanCursor, Step
@@ -233,7 +233,10 @@ class Pipeline:
                 except DealingStopped:
                     return
                 after = self.cursor.state_dict()
-                for accum, micro_batch in enumerate(step.for_rank(self.rank)):
+                mine = step.for_rank(self.rank)
+                # what a pending batch keeps of its step: the step's numbers, not the W × A micro-batches it dealt
+                step = replace(step, micro_batches=())
+                for accum, micro_batch in enumerate(mine):
                     if self._skip:
                         self._skip -= 1
                         continue

@@ -13,6 +13,7 @@ import os
 import stat
 from typing import Any
 
+from fsspec.implementations.cached import CachingFileSystem
 from fsspec.implementations.local import LocalFileSystem
 
 from .._errors import SourceError
@@ -22,9 +23,16 @@ def escapes_root(name: str) -> bool:
     return not name or name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/")
 
 
+def on_local_disk(fs: Any) -> bool:
+    """Whether ``fs`` reads this machine's files: the local file system, or an fsspec cache over it (``simplecache::``)."""
+    while isinstance(fs, CachingFileSystem):  # its paths are the wrapped file system's: links and FIFOs are there too
+        fs = fs.fs
+    return isinstance(fs, LocalFileSystem)
+
+
 def link_outside(fs: Any, root: str, relative: str) -> str | None:
     """Where a folder's file really is, when a symbolic link takes it outside ``root`` (local files); else None."""
-    if not isinstance(fs, LocalFileSystem):
+    if not on_local_disk(fs):
         return None  # object stores and HTTP have no links
     real = os.path.realpath(os.path.join(root, relative))
     return None if inside_root(os.path.realpath(root), real) else real
@@ -38,7 +46,8 @@ def inside_root(real_root: str, path: str) -> bool:
 OPENAT = os.open in os.supports_dir_fd and os.readlink in os.supports_dir_fd and hasattr(os, "O_NOFOLLOW")
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 # O_NONBLOCK: opening a FIFO for reading would wait for a writer; the file type is checked once opened
-_FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+_FILE_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
+               | getattr(os, "O_NOCTTY", 0))  # a terminal device is refused, never made the controlling one
 _MAX_LINKS = 40  # as the kernel's own limit for one path
 FIX_LINK = "copy the file into the folder or remove the link, then re-run `omnifeed index`"
 
@@ -50,6 +59,12 @@ def file_type(mode: int) -> str:
         if test(mode):
             return name
     return "regular file" if stat.S_ISREG(mode) else "special file"
+
+
+def _refuse_special(mode: int, where: str, url: str) -> None:
+    """SourceError (prefixed ``where``) unless ``mode`` is a regular file's."""
+    if not stat.S_ISREG(mode):
+        raise SourceError(f"{where}: a {file_type(mode)}, not a regular file; remove it from the folder", url=url)
 
 
 def open_beneath(root: str, relative: str, where: str, url: str) -> int:
@@ -94,6 +109,8 @@ def open_beneath(root: str, relative: str, where: str, url: str) -> int:
                     if not_link.errno == errno.EINVAL and exc.errno in (errno.ELOOP, errno.EMLINK):
                         pending.append(part)  # a link when opened, not now (swapped back): open it again
                         continue
+                    if exc.errno == errno.ENXIO:  # a socket (or a device without a driver): refused as below
+                        _refuse_special(os.stat(part, dir_fd=stack[-1], follow_symlinks=False).st_mode, where, url)
                     raise exc from None
                 # A link: where the kernel would resolve it, as a name only; that name is walked again
                 # from the root, component by component, so what it leads to is checked the same way.
@@ -113,10 +130,7 @@ def open_beneath(root: str, relative: str, where: str, url: str) -> int:
                 continue
             if last:
                 try:
-                    mode = os.fstat(fd).st_mode
-                    if not stat.S_ISREG(mode):
-                        raise SourceError(f"{where}: a {file_type(mode)}, not a regular file; remove it from the "
-                                          "folder", url=url)
+                    _refuse_special(os.fstat(fd).st_mode, where, url)
                 except BaseException:
                     os.close(fd)
                     raise

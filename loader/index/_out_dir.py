@@ -1,9 +1,9 @@
 """The index's output folder: what may be replaced, and replacing it without deleting anyone else's files.
 
 ``build_index`` writes into a fresh folder beside ``out`` and swaps it in only when complete.
-``out`` is replaced only when it is absent, empty, or holds an omnifeed index and nothing
-else (its ``manifest.json`` says so); anything else is refused with a one-line error before
-a shard is scanned. The old index is moved aside in one rename, so ``out`` never holds a mix
+``out`` is replaced only when it is absent, or a folder of this user that is empty or holds an
+omnifeed index and nothing else (its ``manifest.json`` says so); anything else is refused with
+a one-line error before a shard is scanned. The old index is moved aside in one rename, so ``out`` never holds a mix
 of two indexes, and then only omnifeed's own files are deleted from it.
 """
 
@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import pwd
 import tempfile
 from pathlib import Path
 
@@ -36,6 +37,11 @@ def index_files_to_replace(out: Path) -> list[str]:
         return []
     if not out.is_dir():
         raise OmnifeedError(f"{out}: exists and is not a folder; {what_to_do}")
+    owner = out.stat().st_uid
+    if owner != os.getuid():
+        raise OmnifeedError(f"{out}: a folder of {_describe_uid(owner)}, not of this user "
+                            f"({_describe_uid(os.getuid())}); omnifeed writes an index only to a folder of yours: "
+                            f"{what_to_do}")
     names = sorted(entry.name for entry in out.iterdir())
     if not names:
         return []
@@ -49,6 +55,14 @@ def index_files_to_replace(out: Path) -> list[str]:
         raise OmnifeedError(f"{out}: holds an omnifeed index and files omnifeed did not write ({shown}), which it "
                             f"will not delete: move them away, {what_to_do}")
     return names
+
+
+def _describe_uid(uid: int) -> str:
+    """``uid 1001 (alice)``, or ``uid 1001`` for a uid without a name."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def _is_omnifeed_manifest(path: Path) -> bool:
@@ -66,7 +80,11 @@ def replace_index(out: Path, work: Path) -> None:
         work.rename(out)
         return
     aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-    os.replace(out, aside)  # onto the empty folder just made: out never holds a mix of two indexes
+    try:
+        os.replace(out, aside)  # onto the empty folder just made: out never holds a mix of two indexes
+    except OSError:
+        aside.rmdir()
+        raise
     work.rename(out)
     for name in old:
         (aside / name).unlink(missing_ok=True)

@@ -19,7 +19,6 @@ from typing import Any
 
 import pyarrow as pa
 from fsspec.core import url_to_fs
-from fsspec.implementations.local import LocalFileSystem
 
 from ._config import IndexConfig
 from .._errors import SourceError
@@ -27,7 +26,7 @@ from ._damage import Damage
 from ._probe import FieldProbeError
 from ._records import FieldLocation, ShardScan, ShardSpec
 from ._samples import FieldTwice, Items, add_field, make_sample
-from ._confined import OPENAT, escapes_root, file_type, inside_root, open_beneath, read_whole
+from ._confined import OPENAT, escapes_root, file_type, inside_root, on_local_disk, open_beneath, read_whole
 from ._sources import RECREATE_SHARD, as_source_error
 from ._table_scan import scan_arrow, scan_parquet
 from ._tokenizers import TokenCounter, make_token_counter
@@ -62,6 +61,7 @@ def _split_name(url: str, name: str) -> tuple[str, str] | None:
 
 
 _MAX_HEADER_BYTES = 1 << 20  # a pax or GNU long-name header's own data: paths and attributes, never this large
+_MAX_HEADER_CHAIN = 16  # extended headers before one member (tar writes at most a few); tarfile recurses per header
 _EXTENDED_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
                    tarfile.GNUTYPE_LONGLINK)
 _NO_SPARSE = "sparse members cannot be read by offset: re-create the shard without --sparse (-S)"
@@ -81,17 +81,28 @@ class _CheckedTarInfo(tarfile.TarInfo):
     A GNU sparse member (type 'S', or pax ``GNU.sparse.*`` records) is refused before its
     sparse map is read: tarfile would expand its holes, reading a 10 KB shard that declares
     1.5 GB as 1.5 GB of bytes. Extended headers (pax, GNU long names) are read whole by
-    tarfile: one declaring more than ``_MAX_HEADER_BYTES`` is refused before it is read.
+    tarfile: one declaring more than ``_MAX_HEADER_BYTES`` is refused before it is read, and
+    more than ``_MAX_HEADER_CHAIN`` in a row (tarfile recurses once per header) too.
     """
 
     def _proc_member(self, tarfile_: tarfile.TarFile) -> tarfile.TarInfo:
         if self.type == tarfile.GNUTYPE_SPARSE:
             size = getattr(self, "_sparse_structs", (None, None, self.size))[2]  # the expanded size ('S' header)
             raise _RefusedMember(self.name, f"is a GNU sparse file (declaring {size} bytes); {_NO_SPARSE}", "sparse")
-        if self.type in _EXTENDED_TYPES and self.size > _MAX_HEADER_BYTES:
+        if self.type not in _EXTENDED_TYPES:
+            return super()._proc_member(tarfile_)  # type: ignore[misc]  # private in typeshed, there since Python 3.0
+        if self.size > _MAX_HEADER_BYTES:
             raise _RefusedMember(self.name, f"has an extended header declaring {self.size} bytes, over "
                                             f"{_MAX_HEADER_BYTES}; {RECREATE_SHARD}", "oversized_header")
-        return super()._proc_member(tarfile_)  # type: ignore[misc]  # private in typeshed, there since Python 3.0
+        depth = getattr(tarfile_, "_omnifeed_headers", 0)  # tarfile reads the member after it by recursing
+        if depth >= _MAX_HEADER_CHAIN:
+            raise _RefusedMember(self.name, f"follows {depth} extended headers in a row (at most {_MAX_HEADER_CHAIN} "
+                                            f"before one member); {RECREATE_SHARD}", "oversized_header")
+        tarfile_._omnifeed_headers = depth + 1  # type: ignore[attr-defined]
+        try:
+            return super()._proc_member(tarfile_)  # type: ignore[misc]
+        finally:
+            tarfile_._omnifeed_headers = depth  # type: ignore[attr-defined]
 
     def _refuse_sparse(self, next_: tarfile.TarInfo, pax_headers: dict[str, str], *_: object) -> None:
         name = pax_headers.get("GNU.sparse.name") or pax_headers.get("path") or next_.name
@@ -213,6 +224,10 @@ def _read_members(f: Any, url: str, size: int, samples: _TarSamples) -> int:
                     raise _Broken(info.name, "truncated", f"{url}: member {info.name!r} declares {info.size} bytes "
                                   f"at byte {info.offset_data}, past the end of the shard ({size} bytes); "
                                   f"{RECREATE_SHARD}")
+                if size and tar.offset > size:  # any type tarfile skips by its size (an unknown one, a pax size)
+                    raise _Broken(info.name, "truncated", f"{url}: member {info.name!r} (type "
+                                  f"{info.type.decode('latin-1')!r}) declares data up to byte {tar.offset}, past the "
+                                  f"end of the shard ({size} bytes); {RECREATE_SHARD}")
                 split = _split_name(url, info.name) if info.isreg() else None
                 if split is None:
                     continue
@@ -293,7 +308,7 @@ def _scan_folder(shard: ShardSpec, config: IndexConfig, count: TokenCounter) -> 
     if not fs.isdir(root):
         raise FileNotFoundError(f"no folder {root}")
     groups: dict[str, list[tuple[str, str]]] = {}
-    local = isinstance(fs, LocalFileSystem) and OPENAT
+    local = on_local_disk(fs) and OPENAT  # a cache over local files (simplecache::) has links and FIFOs too
     if local:  # link loops, linked folders, FIFOs and devices handled before any file is opened
         for relative, key, name in _walk_local(url, root):
             groups.setdefault(key, []).append((name, relative))

@@ -56,22 +56,27 @@ def open_audit_log(path: str | Path) -> IO[str]:
     ``O_NOFOLLOW``: a link planted at ``path`` is refused (it would make omnifeed append where the
     link points); ``O_NONBLOCK`` at open: a FIFO planted there is refused rather than waited on.
     An existing file must be a regular file of this user, not writable by group or others (another
-    user could read the delivered keys, or forge the records `omnifeed verify` trusts).
+    user could read the delivered keys, or forge the records `omnifeed verify` trusts), with one
+    link (a hard link planted at ``path`` would make omnifeed append to another file of the user).
     Raises OmnifeedError naming the file and what to do.
     """
     flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP or os.path.islink(path) else exc.strerror
+        why = ("it is a symbolic link" if exc.errno == errno.ELOOP or os.path.islink(path) else
+               "it is a FIFO" if exc.errno == errno.ENXIO else exc.strerror)
         raise OmnifeedError(f"cannot open the audit log {path} ({why}); remove it or choose another audit_log "
                             "path") from None
     info = os.fstat(fd)
     mode = stat.S_IMODE(info.st_mode)
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or mode & 0o022:
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or mode & 0o022 or info.st_nlink != 1:
         os.close(fd)
         what = ("is not a regular file" if not stat.S_ISREG(info.st_mode) else
-                f"belongs to uid {info.st_uid} with mode {mode:o}: another user could read or forge its records")
+                f"belongs to uid {info.st_uid} with mode {mode:o}: another user could read or forge its records"
+                if info.st_uid != os.getuid() or mode & 0o022 else
+                f"has {info.st_nlink} hard links: a link planted there would have omnifeed append to another of "
+                "your files")
         raise OmnifeedError(f"audit log {path} {what}; remove it, or choose an audit_log path of your own "
                             "(it is created 0600)")
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
@@ -79,9 +84,19 @@ def open_audit_log(path: str | Path) -> IO[str]:
 
 
 def read_delivery_logs(paths: Iterable[str | Path], stdin: IO[str] | None = None) -> Iterator[dict[str, Any]]:
-    """Records from JSON-lines files (``-`` reads ``stdin``); a malformed line names its file and line."""
+    """Records from JSON-lines files (``-`` reads ``stdin``); a malformed line names its file and line.
+
+    A file another user could have written (theirs, or writable by anyone) is refused:
+    the service never writes such a log, and its records would decide what ``verify`` reports.
+    """
     for path in paths:
         handle = stdin if str(path) == "-" and stdin is not None else open(path, encoding="utf-8")
+        info = os.fstat(handle.fileno()) if handle is not stdin else None
+        if info is not None and stat.S_ISREG(info.st_mode) and (info.st_uid != os.getuid() or info.st_mode & 0o002):
+            handle.close()
+            raise OmnifeedError(f"{path} belongs to uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}: another "
+                                "user could have written its records; verify logs your job wrote (omnifeed writes "
+                                "them 0600), or copy one you trust into a folder of yours")
         try:
             for number, line in enumerate(handle, 1):
                 if not line.strip():

@@ -53,6 +53,9 @@ class ServiceConfig(BaseModel):
     max_micro_batches_per_step: int = Field(
         default=65536, ge=1, description="A hello whose data-parallel size × gradient accumulation (the micro-batches "
         "a step deals) is larger is refused (error `topology`), as is one larger than an epoch of the plan.")
+    max_micro_batches_dealt: int = Field(
+        default=16 * 65536, ge=1, description="The micro-batches all streams' steps deal together (each stream deals "
+        "its whole step); a new stream past it closes streams without clients, else its hello gets `busy`.")
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServiceConfig:

@@ -58,9 +58,11 @@ class Handshake:
     def __init__(self, plan: Plan, config: ServiceConfig) -> None:
         self.plan, self.config = plan, config
         per_epoch, epoch_words = epoch_micro_batches(plan)
-        cap = config.max_micro_batches_per_step
+        cap = min(config.max_micro_batches_per_step, config.max_micro_batches_dealt)
         self.max_step = min(cap, per_epoch)  # micro-batches a hello's step may deal: its cost, time and memory
-        self._max_step_why = (f"max_micro_batches_per_step is {cap} in the service config" if cap <= per_epoch
+        name = ("max_micro_batches_per_step" if cap == config.max_micro_batches_per_step
+                else "max_micro_batches_dealt")
+        self._max_step_why = (f"{name} is {cap} in the service config" if cap <= per_epoch
                               else f"an epoch of {config.index} deals {epoch_words}")
 
     def hello(self, message: Mapping[str, Any], default_token: str) -> Hello:

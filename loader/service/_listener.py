@@ -73,8 +73,8 @@ def private_directory(path: Path) -> None:
         pass
     info = os.lstat(path)
     mode = stat.S_IMODE(info.st_mode)
-    choose = ("choose a socket path in a private directory of your own (omnifeed serve --socket, or `socket:` in the "
-              "config; the default $TMPDIR/omnifeed-$UID is created 0700)")
+    choose = ("choose a socket path in a directory only you can write (omnifeed serve --socket, or `socket:` in the "
+              "config), e.g. $HOME/.omnifeed/feed.sock, which is created 0700")
     if stat.S_ISLNK(info.st_mode):
         raise OmnifeedError(f"socket directory {path} is a symbolic link (to {os.readlink(path)}, owned by "
                             f"{describe_uid(info.st_uid)}); {choose}")

@@ -250,8 +250,8 @@ def describe_uid(uid: int) -> str:
         return f"uid {uid}"
 
 
-_CHOOSE = ("choose a socket path in a private directory of your own (the same for `omnifeed serve --socket` and "
-           "the client), e.g. the default $TMPDIR/omnifeed-$UID/feed.sock")
+_CHOOSE = ("choose a socket path in a directory only you can write (the same for `omnifeed serve --socket` and "
+           "the client), e.g. $HOME/.omnifeed/feed.sock, which omnifeed serve creates 0700")
 
 
 def check_socket_directory(address: str, trusted_uid: int | None = None) -> None:

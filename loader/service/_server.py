@@ -81,7 +81,8 @@ class FeedService:
         context = StreamContext(self.index, config.feed, shared, config.prefetch_batches,
                                 next_seq=itertools.count().__next__, record_resize=self._resizes.record,
                                 audit=self.attempts.write, lend=self.ledger.lend)
-        self.streams = StreamTable(context, self.ledger, self._resizes, config.max_clients)
+        self.streams = StreamTable(context, self.ledger, self._resizes, config.max_clients,
+                                   config.max_micro_batches_dealt)
         self._lock = threading.Lock()
         self._connections: dict[int, Connection] = {}
         self._next_id = 1

@@ -114,12 +114,17 @@ class Stream:
     def _waiting(self) -> int:
         return sum(1 for b in self.ready if not self._done_with(b))
 
+    def _peers(self) -> int:
+        """The peers batches are kept ahead for: the group, but no more than the clients attached (a peer declaring a
+        group of hundreds and never asking holds a few batches, not hundreds of segments; the others wait for it)."""
+        return max(1, min(self.group, len(self.clients)))
+
     def _room(self) -> bool:
         untaken = sum(1 for b in self.ready if not b.takers)
-        return untaken < self._prefetch and self._waiting() < self._prefetch + 2 * self.group
+        return untaken < self._prefetch and self._waiting() < self._prefetch + 2 * self._peers()
 
     def _slot_limit(self) -> int:
-        return self._prefetch + 2 * self.group + 2
+        return self._prefetch + 2 * self._peers() + 2
 
     @property
     def one_offs(self) -> int:

@@ -4,8 +4,10 @@ A hello that needs a stream of another topology (data-parallel size, accumulatio
 newest starts a **change** (`Resizes`): client-less streams of the old topology retire — their
 untaken batches are handed over (`BatchLedger`) before any new stream plans ahead — and the
 change lasts until the slowest new stream served its first batch. Changes are serialized.
-Streams are at most ``max_clients``: a new one closes the stream idle longest (no client), or
-the hello is refused with ``busy``. A stream without clients for ``stream_idle_s`` closes.
+Streams are at most ``max_clients``, and the micro-batches their steps deal (each stream deals
+its whole step, data-parallel size × accumulation) at most ``max_micro_batches_dealt`` together:
+a new one past either closes streams idle longest (no client), or the hello is refused with
+``busy``. A stream without clients for ``stream_idle_s`` closes.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ class Resizes:
 class StreamTable:
     """The streams by key; opening one (a topology change first, when it is one), leaving, idling, closing."""
 
-    def __init__(self, context: StreamContext, ledger: BatchLedger, resizes: Resizes, max_clients: int) -> None:
+    def __init__(self, context: StreamContext, ledger: BatchLedger, resizes: Resizes, max_clients: int,
+                 max_dealt: int) -> None:
         self._context, self._ledger, self._resizes, self._max = context, ledger, resizes, max_clients
+        self._max_dealt = max_dealt
         self._lock = threading.Lock()
         self._changing = threading.Lock()  # serializes topology changes: retire and hand over, then new streams
         self._streams: dict[Key, Stream] = {}
@@ -75,14 +79,19 @@ class StreamTable:
             self._retire(retiring)
             with self._lock:
                 stream = self._streams.get(key)
-                evicted = None
+                evicted: list[Stream] = []
                 if stream is None or stream.closed:
-                    if len(self._streams) >= self._max:  # streams are bounded as connections are
-                        evicted = self._evict_idle()
+                    self._streams.pop(key, None)
+                    while len(self._streams) >= self._max:  # streams are bounded as connections are
+                        evicted.append(self._evict_idle(f"the service keeps {self._max} streams at most (max_clients)"))
+                    while self._dealt() + dp_world * accum > self._max_dealt:  # and so is what they deal
+                        evicted.append(self._evict_idle(
+                            f"its streams deal {self._dealt()} micro-batches per step and this one would deal "
+                            f"{dp_world * accum} more, past max_micro_batches_dealt ({self._max_dealt})"))
                     stream = self._streams[key] = Stream(self._context, key, group, state)
                     stream.resize_started = self._resizes.started
-            if evicted is not None:
-                threading.Thread(target=evicted.close, name="omnifeed-evict", daemon=True).start()
+            for gone in evicted:
+                threading.Thread(target=gone.close, name="omnifeed-evict", daemon=True).start()
         return stream
 
     def leave(self, stream: Stream, client: int) -> None:
@@ -138,12 +147,16 @@ class StreamTable:
                  if (k[0], k[2]) != self._topology and not s.clients and self._topology is not None]
         return [self._streams.pop(k) for k in stale]
 
-    def _evict_idle(self) -> Stream:
+    def _dealt(self) -> int:
+        """Micro-batches the open streams deal per step, together (holding the lock)."""
+        return sum(dp_world * accum for dp_world, _, accum in self._streams)
+
+    def _evict_idle(self, limit: str) -> Stream:
         """Make room for a new stream (holding the lock): the client-less stream idle longest, removed."""
         idle = [(s.idle_since, k) for k, s in self._streams.items() if s.idle_since is not None and not s.clients]
         if not idle:
-            raise RequestError("busy", f"the service keeps {self._max} streams at most (max_clients) "
-                               "and every one has a client")
+            raise RequestError("busy", f"{limit}, and every stream has a client; connect again later, or raise "
+                               "the limit in the service config")
         return self._streams.pop(min(idle)[1])
 
     def _retire(self, streams: list[Stream]) -> None:

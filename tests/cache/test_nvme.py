@@ -235,6 +235,25 @@ def test_a_new_tier_is_private_with_a_secret_and_a_linked_path_of_ones_own_is_fi
         assert (tmp_path / "real" / name).stat().st_mode & 0o077 == 0, name
 
 
+def test_a_tier_under_a_folder_others_can_write_is_refused_and_under_a_sticky_one_is_fine(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # Another user could rename the private folder away and put one of theirs in its place between
+    # the check and LMDB opening it by name: the folders above must be stable too.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "mine").mkdir(mode=0o700)
+    with caplog.at_level(logging.WARNING), CacheChain(CacheConfig(nvme=NvmeTierConfig(path=str(shared / "mine")))) as chain:
+        assert "nvme" not in chain.tiers
+        assert chain.get(key(1), lambda: value(1)) == value(1)
+    assert f"{shared} (of" in caplog.text and "mode 777" in caplog.text and "sticky" in caplog.text
+    assert list((shared / "mine").iterdir()) == []
+    shared.chmod(0o1777)  # as /tmp: only the owner of a folder in it can rename it
+    with NvmeTier(NvmeTierConfig(path=str(shared / "mine"), capacity_bytes=8 * 2**20)) as tier:
+        assert tier.degraded is None
+        assert tier.put(key(1), value(1)) and tier.get(key(1)) == value(1)
+
+
 def _forge(folder: Path, entry: bytes, forged: bytes) -> None:
     """Write ``forged`` as the entry, as a writer without the secret would: with the unkeyed checksum."""
     import lmdb

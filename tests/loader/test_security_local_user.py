@@ -150,7 +150,7 @@ def test_a_fake_service_in_a_directory_another_user_made_is_refused_before_conne
     message = str(refused.value)
     assert "\n" not in message and str(address.parent) in message
     assert f"uid {other_user.uid} ({PROBE})" in message
-    assert "chmod" not in message and "private directory of your own" in message
+    assert "chmod" not in message and "a directory only you can write" in message
     assert "connected" not in printed  # refused before it connected: the fake never saw the client
 
 
@@ -281,3 +281,55 @@ def test_a_new_audit_log_is_private_and_an_own_one_open_to_others_is_refused(tmp
     (tmp_path / "audit.jsonl").chmod(0o622)
     with pytest.raises(OmnifeedError, match="mode 622"):
         Feed(index_dir, audit_log=tmp_path / "audit.jsonl")
+
+
+def test_a_hard_link_planted_at_the_audit_log_is_refused(tmp_path: Path, index_dir: Path) -> None:
+    # Where fs.protected_hardlinks is 0, another user can link any file of the victim's (same file system) at the
+    # audit_log path: it passes O_NOFOLLOW and every owner/mode check, and records were appended to it (found by a
+    # re-probe). This node may protect hard links, so the test plants the link itself.
+    precious = tmp_path / "precious.txt"
+    precious.write_text("the victim's\n")
+    precious.chmod(0o644)
+    audit = tmp_path / "audit.jsonl"
+    os.link(precious, audit)
+    with pytest.raises(OmnifeedError, match="2 hard links") as refused:
+        FeedService(ServiceConfig(index=str(index_dir), audit_log=str(audit)))
+    assert "\n" not in str(refused.value) and str(audit) in str(refused.value)
+    with pytest.raises(OmnifeedError, match="2 hard links"):
+        Feed(index_dir, audit_log=audit)
+    assert precious.read_text() == "the victim's\n"
+
+
+def test_a_hard_link_planted_at_the_ram_tier_segment_is_refused_and_the_file_kept(
+        index_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from omnifeed.cache import RamTier, RamTierConfig
+
+    name = f"probe-link-{os.getpid()}"
+    segment = RamTier.SEGMENT_PREFIX + name
+    precious = Path(tempfile.mkstemp(prefix="of-v-", dir=str(Path("/dev/shm") if Path("/dev/shm").is_dir()
+                                                               else tempfile.gettempdir()))[1])
+    planted = precious.with_name(segment)
+    try:
+        precious.write_bytes(b"the victim's\n" * 1000)
+        os.link(precious, planted)  # what the tier would have initialised over
+        config = FeedConfig(plan=PlanConfig(seed=3, batch_size=4),
+                            cache=CacheConfig(ram=RamTierConfig(name=name, capacity_bytes=2**20)))
+        with caplog.at_level(logging.WARNING), Feed(index_dir, config) as feed:
+            assert feed.next_batch()["__key__"]
+        assert any("hard links" in r.getMessage() and segment in r.getMessage() for r in caplog.records)
+        assert precious.read_bytes() == b"the victim's\n" * 1000
+    finally:
+        for path in (precious, planted, planted.with_name(segment + ".lock")):
+            path.unlink(missing_ok=True)
+
+
+def test_index_out_in_a_folder_another_user_made_is_refused_before_scanning(
+        other_user: OtherUser, shared_dir: Path, demo_shards: list[Path]) -> None:
+    from omnifeed.loader import IndexConfig, build_index
+
+    out = shared_dir / "index"
+    other_user.run(f"import os; os.mkdir({str(out)!r}); os.chmod({str(out)!r}, 0o777)")
+    with pytest.raises(OmnifeedError, match=rf"a folder of uid {other_user.uid} \({PROBE}\)") as refused:
+        build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
+    assert "\n" not in str(refused.value) and "choose another --out" in str(refused.value)
+    assert sorted(p.name for p in shared_dir.iterdir()) == ["index"]  # nothing left beside it (no .old-, .building-)

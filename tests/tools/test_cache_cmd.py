@@ -127,3 +127,21 @@ def test_the_ram_tier_logs_its_segment_and_how_to_remove_it(name: str, caplog: p
     with caplog.at_level(logging.INFO, logger="omnifeed.cache._ram"):
         fill(name, 0)
     assert f"remove it with `omnifeed cache remove {name}`" in caplog.text and f"omnifeed-ram-{name}" in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_list_nvme_never_opens_a_fifo_or_another_users_database(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Another user can plant either under a shared folder: a FIFO would block the listing's open
+    # forever, and LMDB trusts the structure of the file it maps.
+    (tmp_path / "fifo").mkdir()
+    os.mkfifo(tmp_path / "fifo" / "data.mdb")
+    with NvmeTier(NvmeTierConfig(path=str(tmp_path / "theirs"), capacity_bytes=2**20)) as tier:
+        assert tier.put(entry_key("t", "0", "f", "raw"), b"y" * 1000)
+    rows = [row for row in listed(capsys, "--nvme", str(tmp_path)) if row["tier"] == "nvme"]
+    assert [row["path"] for row in rows] == [str(tmp_path / "theirs")] and rows[0]["state"] == "ready"
+    if os.geteuid() != 0:
+        return  # handing the file to another uid needs root
+    os.chown(tmp_path / "theirs" / "data.mdb", 54321, -1)
+    rows = [row for row in listed(capsys, "--nvme", str(tmp_path)) if row["tier"] == "nvme"]
+    assert [(row["state"], row["entries"]) for row in rows] == [("another user's (not opened)", None)]
+    assert "54321" in rows[0]["owner"]

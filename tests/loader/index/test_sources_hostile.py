@@ -8,6 +8,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -110,6 +111,52 @@ def test_sizes_declared_by_headers_are_checked_before_anything_of_that_size_is_r
     assert peak < 16 * 2**20
 
 
+def _base256(size: int) -> bytes:
+    return bytes([0x80]) + size.to_bytes(11, "big")  # GNU tar's size field for sizes past 8 GB
+
+
+def _pax(kind: bytes, records: dict[str, str]) -> bytes:
+    data = b"".join(b"%d %s=%s\n" % (len(f" {k}={v}\n") + len(str(len(f" {k}={v}\n") + 2)), k.encode(), v.encode())
+                    for k, v in records.items())
+    header = bytearray(tarfile.TarInfo("pax_header").tobuf(format=tarfile.USTAR_FORMAT))
+    header[156:157], header[124:136] = kind, b"%011o\0" % len(data)
+    _checksum(header)
+    return bytes(header) + data + b"\0" * (-len(data) % 512)
+
+
+@pytest.mark.timeout(60)  # before: tarfile skipped 2^62 declared bytes a buffer at a time, forever
+def test_a_member_of_any_type_declaring_data_past_the_shard_is_refused_before_tarfile_skips_it(tmp_path: Path) -> None:
+    tar = bytearray(_tar(tmp_path / "x.tar", [("a.txt", b"small"), ("b.txt", b"x" * 100), ("c.txt", b"y")]).read_bytes())
+    header = tar[1024:1536]
+    header[156:157], header[124:136] = b"V", _base256(2**62)  # a type tarfile does not know: skipped by its size
+    _checksum(header)
+    (tmp_path / "volume.tar").write_bytes(bytes(tar[:1024] + header + tar[1536:]))
+    error, peak = _scan_peak(tmp_path / "volume.tar")
+    assert "member 'b.txt' (type 'V') declares data up to byte 461168601842738" in str(error), error
+    assert "past the end of the shard" in str(error) and peak < 16 * 2**20
+    # a global pax header's size replaces a regular member's, after tarfile has skipped by the header's
+    header = tar[1024:1536]
+    header[124:136] = _base256(2**62)
+    _checksum(header)
+    (tmp_path / "global.tar").write_bytes(_pax(b"g", {"size": "100"}) + bytes(tar[:1024] + header + tar[1536:]))
+    error, peak = _scan_peak(tmp_path / "global.tar")
+    assert "member 'b.txt' (type '0') declares data up to byte" in str(error) and peak < 16 * 2**20
+
+
+@pytest.mark.parametrize("kind", [b"x", b"g", b"L"])
+def test_a_chain_of_extended_headers_is_a_source_error_not_a_recursion_error(tmp_path: Path, kind: bytes) -> None:
+    if kind == b"L":
+        header = bytearray(tarfile.TarInfo("././@LongLink").tobuf(format=tarfile.USTAR_FORMAT))
+        header[156:157], header[124:136] = kind, b"%011o\0" % 6
+        _checksum(header)
+        one = bytes(header) + b"n.txt\0".ljust(512, b"\0")
+    else:
+        one = _pax(kind, {"comment": "x"})
+    (tmp_path / "chain.tar").write_bytes(one * 2000 + _tar(tmp_path / "x.tar", [("a.txt", b"small")]).read_bytes())
+    error, _ = _scan_peak(tmp_path / "chain.tar")  # tarfile recurses once per header: 2,000 raised RecursionError
+    assert "follows 16 extended headers in a row" in str(error), error
+
+
 # -- folders: FIFOs, link loops, linked folders ---------------------------------------------------------
 
 
@@ -170,6 +217,43 @@ def test_links_to_files_inside_the_folder_are_read_and_a_dangling_one_is_named(t
     (folder / "e.txt").symlink_to("gone.txt")
     with pytest.raises(SourceError, match=r"'e\.txt' is a symbolic link to .*gone\.txt, which does not exist"):
         scan_shard(ShardSpec(str(folder), "folder"), CONFIG)
+
+
+def test_a_socket_swapped_in_after_indexing_is_refused_as_not_a_regular_file(tmp_path: Path, caplog) -> None:
+    folder = _folder(tmp_path)
+    with socket.socket(socket.AF_UNIX) as listening:
+        listening.bind(str(folder / "sub" / "c.txt"))
+        scan = scan_shard(ShardSpec(str(folder), "folder"), CONFIG)
+        assert "skipping 'sub/c.txt': a socket, not a regular file" in caplog.text
+        (folder / "a.txt").unlink()
+        listening.close()
+        with socket.socket(socket.AF_UNIX) as other:
+            other.bind(str(folder / "a.txt"))  # open() of a socket is ENXIO: it was a bare OSError
+            with pytest.raises(SourceError, match=r"member 'a\.txt' \(field 'txt'\): a socket, not a regular file"):
+                read_field(scan.shard, scan.samples[0].fields[0])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("chain", ["simplecache::", "filecache::"])
+def test_a_folder_behind_an_fsspec_cache_is_confined_as_a_local_one(tmp_path: Path, chain: str) -> None:
+    folder = _folder(tmp_path)
+    (tmp_path / "secret.txt").write_bytes(b"SECRET")
+    url = chain + str(folder)
+    (folder / "c.txt").symlink_to(tmp_path / "secret.txt")  # before: indexed, the outside file's bytes served
+    with pytest.raises(SourceError, match=r"'c\.txt' is a symbolic link to .*secret\.txt, outside the folder"):
+        scan_shard(ShardSpec(url, "folder"), CONFIG)
+    (folder / "c.txt").unlink()
+    (folder / "d.txt").write_bytes(b"SECREt")
+    scan = scan_shard(ShardSpec(url, "folder"), CONFIG)
+    field = next(s for s in scan.samples if s.key == "d").fields[0]
+    (folder / "d.txt").unlink()
+    (folder / "d.txt").symlink_to(tmp_path / "secret.txt")  # the same length: only the link check stands in the way
+    with pytest.raises(SourceError, match="outside the folder"):
+        read_field(scan.shard, field)
+    (folder / "d.txt").unlink()
+    os.mkfifo(folder / "d.txt")
+    with pytest.raises(SourceError, match="a FIFO, not a regular file"):
+        read_field(scan.shard, field)
 
 
 _SWAPPER = """

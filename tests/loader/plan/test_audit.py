@@ -126,3 +126,19 @@ def test_a_fifo_or_a_file_others_can_write_is_refused(tmp_path: Path) -> None:
     shared.chmod(0o662)
     with pytest.raises(OmnifeedError, match="another user could read or forge its records"):
         open_audit_log(shared)
+
+
+def test_verify_refuses_a_log_another_user_could_have_written(index: SampleIndex, tmp_path: Path) -> None:
+    # A planted or world-writable log could forge the records that decide what verify reports.
+    log = tmp_path / "rank0.jsonl"
+    with open_audit_log(log) as handle:
+        handle.writelines(json.dumps(r) + "\n" for r in epoch_records(index))
+    assert verify_coverage(index, 0, list(read_delivery_logs([log]))).ok
+    log.chmod(0o666)
+    with pytest.raises(OmnifeedError, match=rf"{log} belongs to uid {os.getuid()} with mode 666: another user could "):
+        list(read_delivery_logs([log]))
+    if os.geteuid() == 0:  # handing the file to another uid needs root
+        log.chmod(0o644)
+        os.chown(log, 54321, -1)
+        with pytest.raises(OmnifeedError, match=rf"{log} belongs to uid 54321"):
+            list(read_delivery_logs([log]))

@@ -3,10 +3,12 @@ segments for peers that left, or keep an idle connection; SIGTERM always ends it
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -120,6 +122,37 @@ def test_streams_are_bounded_an_idle_one_makes_room(index_dir: Path) -> None:
         served(service.address)
 
 
+def test_what_the_streams_deal_together_is_bounded_and_idle_ones_make_room(index_dir: Path) -> None:
+    # Re-probe of issue 23: 256 hellos at the largest accepted step, one per stream key, each stream
+    # dealing its whole step (~1 s and ~19 MB at 65,536), took the service to 1.1 GB and clients ~1,000× slower.
+    with FeedService(config(index_dir, max_micro_batches_dealt=24, stream_idle_s=600)) as service:
+        held = []
+        for dp_rank in range(2):  # attached: they keep their streams, 12 micro-batches a step each
+            sock = connect(service.address)
+            sock.sendall(hello(12, 12, 1, rank=dp_rank, dp_rank=dp_rank))
+            assert receive(sock, 1 << 28)[0]["op"] == "welcome"
+            held.append(sock)
+        refused = say_hello(service.address, 12, 12, 1, rank=2, dp_rank=2)
+        assert refused["code"] == "busy" and "past max_micro_batches_dealt (24)" in refused["message"]
+        for sock in held:
+            sock.close()
+        for _ in range(200):  # each connection's thread notices its client left
+            if not service.metrics()["clients"]:
+                break
+            time.sleep(0.05)
+        for dp_rank in range(2, 12):  # room is made by closing the streams idle longest
+            assert say_hello(service.address, 12, 12, 1, rank=dp_rank, dp_rank=dp_rank)["op"] == "welcome"
+            assert service.metrics()["service"]["streams"] <= 2
+        served(service.address)
+
+
+def test_a_step_over_what_all_streams_may_deal_together_is_refused_as_a_topology(index_dir: Path) -> None:
+    with FeedService(config(index_dir, max_micro_batches_dealt=6)) as service:
+        refused = say_hello(service.address, 12, 12, 1)
+        assert refused["code"] == "topology" and "max_micro_batches_dealt is 6" in refused["message"]
+        assert say_hello(service.address, 6, 6, 1)["op"] == "welcome"
+
+
 # -- planners stop when their stream closes; SIGTERM ends the process ------------------------------------------
 def test_dealing_a_step_stops_when_told_and_leaves_the_cursor_where_it_was(index_dir: Path) -> None:
     plan = Plan(10_000, PLAN, index_fingerprint="f" * 32)
@@ -176,21 +209,27 @@ def test_a_stop_that_hangs_still_ends_the_process() -> None:
 # -- a peer group shrinks when its clients leave ----------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_a_departed_peer_no_longer_holds_the_streams_segments(index_dir: Path) -> None:
+    """Re-probe of issue 23: a "peer" of rank 0 claiming a group of 64 and never asking made the stream keep
+    prefetch + 2 × 64 batches for it while attached (a group of 256: 500 segments, 7 GB, 1,000 descriptors)."""
     with FeedService(config(index_dir)) as service, FeedClient(service.address) as client:
-        limit = service.config.prefetch_batches + 2 * 1 + 2  # what a group of one needs
-        fake = connect(service.address)  # a "peer" of rank 0 claiming a group of 64, never asking for batches
+        prefetch = service.config.prefetch_batches
+        fake = connect(service.address)
         fake.sendall(hello(64, 1, 1, rank=1))
         assert receive(fake, 1 << 28)[0]["op"] == "welcome"
-        for _ in range(30):
-            client.next_batch()
-        grown = service.metrics()["service"]["segments"]
-        assert grown > limit  # nothing is dropped while the peer may still ask for it
-        fake.close()
-        for _ in range(100):  # the peer's departure is noticed by its connection thread
-            client.next_batch()
-            if service.metrics()["service"]["segments"] <= limit:
-                break
-        assert service.metrics()["service"]["segments"] <= limit
+        taken: list[str] = []
+        honest = threading.Thread(target=lambda: taken.extend(client.next_batch()["__key__"] for _ in range(30)),
+                                  daemon=True)
+        honest.start()  # it gets a few batches ahead of its silent "peer", then waits for it
+        seen = 0
+        for _ in range(40):
+            seen = max(seen, service.metrics()["service"]["segments"])
+            time.sleep(0.05)
+        assert seen <= prefetch + 2 * 2 + 2  # two clients attached, whatever group they declare
+        assert honest.is_alive()  # waiting for the peer it was told it has
+        fake.close()  # the peer's departure is noticed by its connection thread: the group is one again
+        honest.join(timeout=120)
+        assert not honest.is_alive() and len(taken) == 30
+        limit = prefetch + 2 * 1 + 2
         for _ in range(5):
             client.next_batch()
         assert service.metrics()["service"]["segments"] <= limit
@@ -234,3 +273,22 @@ def test_a_client_that_pauses_past_the_idle_timeout_goes_on_where_it_was(index_d
         assert client.reconnects >= 1
     with FeedClient.in_process(cfg) as local:
         assert keys == [local.next_batch()["__key__"] for _ in range(5)]
+
+
+@pytest.mark.timeout(120)
+def test_a_request_dripped_a_byte_at_a_time_is_cut_at_the_frame_timeout(index_dir: Path) -> None:
+    """Re-probe of issue 23: the frame timeout was per read, so a hello sent a byte a second was served after 85 s,
+    and 256 such connections kept every client out for good."""
+    with FeedService(config(index_dir, frame_timeout_s=0.5)) as service, connect(service.address) as slow:
+        request = hello(1, 1, 1)
+        poller = select.poll()
+        poller.register(slow, select.POLLIN)
+        sent = 0
+        while sent < len(request) and not poller.poll(0):
+            slow.send(request[sent:sent + 1])  # each byte well within the timeout of the one before
+            sent += 1
+            time.sleep(0.1)
+        assert sent < len(request)
+        reply, _ = receive(slow, 1 << 20)
+        assert reply["code"] == "idle" and "not sent whole" in reply["message"]
+        served(service.address)
