@@ -44,6 +44,7 @@ from .._errors import SourceError, add_context
 from ._arrow_files import arrow_schema, read_arrow_cell, saved_dataset_files
 from ._columns import cell_bytes, cell_kind
 from ._confined import FIX_LINK, OPENAT, escapes_root, link_outside, on_local_disk, open_beneath, read_whole
+from ._parquet_pages import check_decompressed, leaf_columns
 from ._records import FieldLocation, ShardSpec, SourceKind
 
 logger = logging.getLogger(__name__)
@@ -199,7 +200,10 @@ def _read_parquet_cell(url: str, field: FieldLocation, row_group: int, row: int)
         raise ValueError(f"{url}: reading Parquet field {field.name!r} needs row_group= and row=")
     fs, path = url_to_fs(url)
     with fs.open(path, "rb") as f:
-        table = pq.ParquetFile(f).read_row_group(row_group, columns=[field.member])
+        table_file = pq.ParquetFile(f)
+        if 0 <= row_group < table_file.num_row_groups:  # else Arrow refuses it, reading nothing
+            check_decompressed(f, table_file, url, row_group, leaf_columns(table_file, [field.member]))
+        table = table_file.read_row_group(row_group, columns=[field.member])
     if table.num_columns != 1 or row >= table.num_rows:
         return None
     try:

@@ -25,6 +25,7 @@ from ._arrow_files import arrow_batches, arrow_schema
 from ._columns import ColumnModalities, cell_bytes, cell_paths
 from ._config import IndexConfig
 from ._damage import Damage
+from ._parquet_pages import check_decompressed
 from ._probe import FieldProbeError
 from ._records import FieldLocation, ShardScan, ShardSpec
 from ._samples import Items, make_sample
@@ -43,6 +44,7 @@ def scan_parquet(shard: ShardSpec, config: IndexConfig, count: TokenCounter) -> 
         table_file = pq.ParquetFile(f)
         rows = _TableRows(scan, config, count, table_file.schema_arrow)
         for rg in range(table_file.num_row_groups):
+            check_decompressed(f, table_file, shard.url, rg)
             rows.add(table_file.read_row_group(rg), rg, -1)
     return rows.finish()
 

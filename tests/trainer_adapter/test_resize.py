@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,10 @@ def test_prefetched_batches_are_handed_over_to_the_new_ranks_not_decoded_again(i
     with FeedService(config) as service:
         ranks = [FeedClient(config.socket, rank=r, world_size=2) for r in range(2)]
         step(ranks)
+        for _ in range(600):  # the streams read ahead in the background: how soon depends on the machine's load
+            if service.metrics()["samples"] > 2 * 2:
+                break
+            time.sleep(0.1)
         ranks[1].close()
         prefetched = service.metrics()["samples"]
         ranks[0].resize(1, 0)  # both old streams are client-less now: their ready batches go to the new stream

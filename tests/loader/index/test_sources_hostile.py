@@ -1,6 +1,6 @@
-"""Hostile sources and outputs: sparse tar members, FIFOs, link loops and linked folders, a link
-swapped in while fields are read, `index --out` over foreign files, ranges with holes, and
-`build_index` in a script without a main guard (docs/security.md §3, §4; issues 16 and 23)."""
+"""Hostile sources and outputs: sparse tar members, Parquet decompression bombs, FIFOs, link loops
+and linked folders, a link swapped in while fields are read, `index --out` over foreign files,
+ranges with holes, and `build_index` in a script without a main guard (docs/security.md §3, §4; issues 16 and 23)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tarfile
@@ -16,10 +17,13 @@ import textwrap
 import tracemalloc
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from omnifeed.loader import IndexConfig, SampleIndex, build_index
 from omnifeed.loader._errors import OmnifeedError, SourceError
+from omnifeed.loader.index._parquet_pages import MAX_EXCESS, _Thrift
 from omnifeed.loader.index._records import FieldLocation, ShardSpec
 from omnifeed.loader.index._scan import scan_shard
 from omnifeed.loader.index._sources import read_field
@@ -158,6 +162,123 @@ def test_a_chain_of_extended_headers_is_a_source_error_not_a_recursion_error(tmp
 
 
 # -- folders: FIFOs, link loops, linked folders ---------------------------------------------------------
+
+
+# -- Parquet: decompression bombs -------------------------------------------------------------------
+
+BOMB = 300 * 2**20  # a 300 MiB cell of zeros in a 16 KB file (issue: 1.67 GB peak at index time before)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n >> 7:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    return bytes(out + bytes([n]))
+
+
+def _zstd_bomb(path: Path, size: int = BOMB, page_declares: int | None = None,
+               footer_declares: int | None = None) -> Path:
+    """A Parquet file, column ``img``, whose one cell is ``size`` zeros: 1 MiB zstd frames, made without holding them.
+
+    ``page_declares``/``footer_declares``: the decompressed size its page header / footer claim instead (a lie).
+    """
+    mib = 2**20
+    pq.write_table(pa.table({"img": [bytes(mib)]}), path, compression="zstd", use_dictionary=False,
+                   write_statistics=False)
+    data = path.read_bytes()
+    start = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
+    reader = _Thrift(data[start:start + 4096])
+    fields = reader.struct()
+    head, old_u, old_c = data[start:start + reader.pos], fields[2], fields[3]
+    raw = pa.decompress(data[start + len(head):start + len(head) + old_c], old_u, codec="zstd").to_pybytes()
+    prefix = raw[:-mib - 4] + struct.pack("<I", size)  # the definition levels, then the value's length
+    frame = pa.compress(bytes(mib), codec="zstd").to_pybytes()
+    body = pa.compress(prefix, codec="zstd").to_pybytes() + frame * (size // mib)  # zstd frames concatenate
+    new_u = len(prefix) + size
+    new_head = head.replace(_varint(old_u * 2), _varint((page_declares or new_u) * 2), 1)
+    new_head = new_head.replace(_varint(old_c * 2), _varint(len(body) * 2), 1)
+    footer = data[start + len(head) + old_c:-8]
+    for old, new in ((old_u + len(head), footer_declares or new_u + len(new_head)),
+                     (old_c + len(head), len(body) + len(new_head))):
+        assert footer.count(_varint(old * 2)) >= 1
+        footer = footer.replace(_varint(old * 2), _varint(new * 2))
+    path.write_bytes(data[:start] + new_head + body + footer + struct.pack("<I", len(footer)) + b"PAR1")
+    return path
+
+
+_PEAK = """
+import json, re, sys
+import pyarrow as pa
+from omnifeed.loader._errors import SourceError
+from omnifeed.loader.index._records import FieldLocation, ShardSpec
+from omnifeed.loader.index._scan import scan_shard
+from omnifeed.loader.index._sources import read_field
+from omnifeed.loader import IndexConfig
+shard = ShardSpec(sys.argv[1], "parquet")
+errors = []
+try:
+    scan_shard(shard, IndexConfig(workers=1, partitions=2))
+except SourceError as exc:
+    errors.append(str(exc))
+try:
+    read_field(shard, FieldLocation("img", "image", "img", -1, 1), row_group=0, row=0)
+except SourceError as exc:
+    errors.append(str(exc))
+hwm = int(re.search(r"VmHWM:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) * 1024
+print(json.dumps({"errors": errors, "arrow_peak": pa.default_memory_pool().max_memory(), "hwm": hwm}))
+"""
+
+
+def _scan_and_read(path: Path) -> tuple[list[str], int, int]:
+    """Index- and read-time errors for ``path``, the peak Arrow allocation and resident memory (in a child)."""
+    run = subprocess.run([sys.executable, "-c", _PEAK, str(path)], capture_output=True, text=True, check=True)
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    return out["errors"], out["arrow_peak"], out["hwm"]
+
+
+@pytest.mark.parametrize("lie", ["honest", "footer_declares_1_kb"])
+def test_a_parquet_decompression_bomb_is_refused_from_its_page_headers_before_arrow_decompresses_it(
+        tmp_path: Path, lie: str) -> None:
+    bomb = _zstd_bomb(tmp_path / "bomb.parquet", footer_declares=1024 if lie != "honest" else None)
+    assert bomb.stat().st_size < 64 * 1024
+    chunk = pq.ParquetFile(bomb).metadata.row_group(0).column(0)
+    assert chunk.total_uncompressed_size == (1024 if lie != "honest" else BOMB + 35)  # Arrow never uses it
+    errors, arrow_peak, hwm = _scan_and_read(bomb)
+    assert len(errors) == 2  # index time (scan_shard) and read time (read_field)
+    for error in errors:
+        assert f"{bomb}: row group 0 column 'img': its pages declare {BOMB + 10:,} bytes decompressed from" in error
+        assert "refused as a decompression bomb before anything was decompressed" in error
+        assert "re-write the file in smaller row groups" in error
+    assert arrow_peak < 2**20  # Arrow decompressed nothing (unchecked: 600 MB; the whole index: 1.67 GB)
+    assert hwm < 400 * 2**20  # the interpreter, pyarrow and omnifeed, nothing of the cell's size
+
+
+def test_a_page_header_declaring_less_than_its_data_holds_fails_in_arrow_without_decompressing_it(
+        tmp_path: Path) -> None:
+    bomb = _zstd_bomb(tmp_path / "bomb.parquet", page_declares=2**20)  # passes the bound: 1 MiB declared
+    errors, arrow_peak, _ = _scan_and_read(bomb)
+    assert len(errors) == 2
+    assert all(f"{bomb}" in error and "unreadable Parquet file" in error for error in errors)
+    assert all("Destination buffer is too small" in error for error in errors)  # Arrow stops at what is declared
+    assert arrow_peak < 4 * 2**20
+
+
+def test_real_columns_and_a_compressible_cell_under_the_bound_are_read(tmp_path: Path) -> None:
+    path = tmp_path / "fine.parquet"
+    rows = 200
+    table = pa.table({"__key__": [f"k{i}" for i in range(rows)], "blob": [os.urandom(64 * 1024) for _ in range(rows)],
+                      "text": [("a caption about a cat " * 40) for _ in range(rows)]})
+    for options in ({"compression": "zstd"}, {"compression": "gzip", "data_page_version": "2.0"},
+                    {"compression": "snappy", "use_dictionary": False, "write_page_index": True}):
+        pq.write_table(table, path, **options)
+        scan = scan_shard(ShardSpec(str(path), "parquet"), CONFIG)
+        assert len(scan.samples) == rows
+    small = ShardSpec(str(_zstd_bomb(tmp_path / "small.parquet", size=8 * 2**20)), "parquet")  # 1000x, but 8 MiB
+    scan = scan_shard(small, IndexConfig(workers=1, partitions=2, modalities={"img": "meta"}))
+    assert [s.key for s in scan.samples] == ["small/0"]
+    assert read_field(small, FieldLocation("img", "meta", "img", -1, 8 * 2**20), row_group=0, row=0) == bytes(8 * 2**20)
+
 
 
 def _folder(tmp_path: Path) -> Path:
