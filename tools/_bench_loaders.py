@@ -12,9 +12,11 @@ the first batch, seconds after it, CPU seconds of this process and every child i
 from __future__ import annotations
 
 import json
+import os
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -274,11 +276,13 @@ def start_service(spec: RunSpec, work: Path, python: str = sys.executable) -> tu
     returns once it answers: the process and its socket."""
     import yaml
 
-    from omnifeed.loader.service import wait_until_serving
+    from omnifeed.loader.service import MAX_SOCKET_PATH, wait_until_serving
 
     work.mkdir(parents=True, exist_ok=True)
     work.chmod(0o700)  # the service refuses a socket directory other users can enter
     socket, config = work / "feed.sock", work / "service.yaml"
+    if len(os.fsencode(socket)) > MAX_SOCKET_PATH:  # a deep --out: the socket goes to a short private folder
+        socket = Path(tempfile.mkdtemp(prefix="omnifeed-bench-")) / "feed.sock"
     config.write_text(yaml.safe_dump({"index": spec.index, "socket": str(socket),
                                       "feed": feed_config(spec).model_dump(mode="json")}), encoding="utf-8")
     service = subprocess.Popen([python, "-m", "omnifeed.tools", "serve", "--config", str(config)],

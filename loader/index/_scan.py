@@ -104,7 +104,11 @@ class _CheckedTarInfo(tarfile.TarInfo):
         finally:
             tarfile_._omnifeed_headers = depth  # type: ignore[attr-defined]
 
-    def _refuse_sparse(self, next_: tarfile.TarInfo, pax_headers: dict[str, str], *_: object) -> None:
+    def _refuse_sparse(self, next_: tarfile.TarInfo, headers: Any, *_: object) -> None:
+        # tarfile passes the pax records as a dict, or (format 0.0, since the 2025 pax fixes, e.g. Debian's 3.11.2)
+        # as a list of raw (length, keyword, value) records
+        pax_headers = headers if isinstance(headers, dict) else {
+            keyword.decode("utf-8", "replace"): value.decode("utf-8", "replace") for _, keyword, value in headers}
         name = pax_headers.get("GNU.sparse.name") or pax_headers.get("path") or next_.name
         size = pax_headers.get("GNU.sparse.realsize") or pax_headers.get("GNU.sparse.size") or "?"
         raise _RefusedMember(name, f"is a GNU sparse file (declaring {size} bytes); {_NO_SPARSE}", "sparse")

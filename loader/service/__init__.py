@@ -3,6 +3,7 @@
 from ._arena import DTYPES, batch_hook, build_template, merge, read_layout, read_reference
 from ._attempts import resume_marker
 from ._config import ServiceConfig, default_socket
+from ._listener import MAX_SOCKET_PATH
 from ._metrics import start_metrics_server
 from ._protocol import (
     MAX_REPLY_BYTES,
@@ -28,6 +29,7 @@ __all__ = [
     "FeedService",
     "FrameReader",
     "MAX_REPLY_BYTES",
+    "MAX_SOCKET_PATH",
     "PROTOCOL",
     "ProtocolError",
     "ServiceConfig",

@@ -23,10 +23,17 @@ from ._protocol import describe_uid
 log = logging.getLogger("omnifeed.service")
 
 
+MAX_SOCKET_PATH = 107  # bytes: sockaddr_un's sun_path holds 108, with its terminating NUL
+
+
 class Listener:
     """A Unix socket listening at ``path``: its directory checked, a stale socket reaped, bound 0600."""
 
     def __init__(self, path: Path, backlog: int = 64) -> None:
+        if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+            raise OmnifeedError(f"socket path {path} is {len(os.fsencode(path))} bytes, more than the "
+                                f"{MAX_SOCKET_PATH} a Unix socket path may have; choose a shorter one (omnifeed serve "
+                                "--socket, or `socket:` in the config), e.g. $HOME/.omnifeed/feed.sock")
         private_directory(path.parent)
         reap_stale_socket(path)
         self.path = path

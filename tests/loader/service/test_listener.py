@@ -108,3 +108,13 @@ class Listening:
 
     def __exit__(self, *exc: object) -> None:
         self.sock.close()
+
+
+def test_a_socket_path_too_long_for_unix_sockets_is_refused_in_one_line_saying_what_to_do(folder: Path) -> None:
+    # A deep --out or a long user name made the raw "AF_UNIX path too long" reach users, with no hint.
+    deep = folder / ("d" * 60) / ("e" * 60)
+    with pytest.raises(OmnifeedError) as refused:
+        Listener(deep / "feed.sock")
+    message = str(refused.value)
+    assert "\n" not in message and str(deep / "feed.sock") in message and "more than the 107" in message
+    assert "--socket" in message and not deep.exists()  # refused before anything was created
