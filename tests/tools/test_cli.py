@@ -36,7 +36,8 @@ def run(*args: str, check: bool = True, stdin: str | None = None, script: bool =
     else:
         result = _forked.run(*args, stdin=stdin, timeout=300)
     if check and result.returncode != 0:
-        raise AssertionError(f"omnifeed {' '.join(args)} exited {result.returncode}:\n{result.stderr}")
+        raise AssertionError(f"omnifeed {' '.join(args)} exited {result.returncode}:\n{result.stderr}\n"
+                             f"stdout, last lines:\n{result.stdout[-3000:]}")
     return result
 
 
