@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pwd
+
 
 class OmnifeedError(Exception):
     """Base class of every error omnifeed raises on purpose."""
@@ -30,3 +32,11 @@ def add_context(exc: BaseException, note: str) -> None:
         exc.add_note(note)
     else:  # Python 3.10: keep the note where 3.11 tracebacks and tools look for it
         exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+def describe_uid(uid: int) -> str:
+    """``uid 1001 (alice)``, or ``uid 1001`` for a uid without a name: who owns a path, in an error message."""
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"

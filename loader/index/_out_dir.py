@@ -3,8 +3,8 @@
 ``build_index`` writes into a fresh folder beside ``out`` and swaps it in only when complete.
 ``out`` is replaced only when it is absent, or a folder of this user that is empty or holds an
 omnifeed index and nothing else (its ``manifest.json`` says so); anything else is refused with
-a one-line error before a shard is scanned. The old index is moved aside in one rename, so ``out`` never holds a mix
-of two indexes, and then only omnifeed's own files are deleted from it.
+a one-line error before a shard is scanned. The old index is moved aside in one rename, so
+``out`` never holds a mix of two indexes, and then only omnifeed's own files are deleted from it.
 """
 
 from __future__ import annotations
@@ -13,11 +13,10 @@ import json
 import logging
 import os
 import re
-import pwd
 import tempfile
 from pathlib import Path
 
-from .._errors import OmnifeedError
+from .._errors import OmnifeedError, describe_uid
 from ._damage import DAMAGED_FILE
 from ._sample_index import BY_SHARD, INDEX_FORMAT, MANIFEST, SHARDS
 
@@ -39,8 +38,8 @@ def index_files_to_replace(out: Path) -> list[str]:
         raise OmnifeedError(f"{out}: exists and is not a folder; {what_to_do}")
     owner = out.stat().st_uid
     if owner != os.getuid():
-        raise OmnifeedError(f"{out}: a folder of {_describe_uid(owner)}, not of this user "
-                            f"({_describe_uid(os.getuid())}); omnifeed writes an index only to a folder of yours: "
+        raise OmnifeedError(f"{out}: a folder of {describe_uid(owner)}, not of this user "
+                            f"({describe_uid(os.getuid())}); omnifeed writes an index only to a folder of yours: "
                             f"{what_to_do}")
     names = sorted(entry.name for entry in out.iterdir())
     if not names:
@@ -55,14 +54,6 @@ def index_files_to_replace(out: Path) -> list[str]:
         raise OmnifeedError(f"{out}: holds an omnifeed index and files omnifeed did not write ({shown}), which it "
                             f"will not delete: move them away, {what_to_do}")
     return names
-
-
-def _describe_uid(uid: int) -> str:
-    """``uid 1001 (alice)``, or ``uid 1001`` for a uid without a name."""
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
 
 
 def _is_omnifeed_manifest(path: Path) -> bool:

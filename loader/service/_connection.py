@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import msgpack
 
@@ -53,7 +53,10 @@ class Connection:
                                          "in the service config); connect again to go on")
                     return
                 try:  # a deadline for the whole request, not each read: a byte every few seconds is no request
-                    message, _ = _receive_within(sock, frame_timeout)
+                    try:
+                        message, _ = receive(sock, MAX_REQUEST_BYTES, deadline=time.monotonic() + frame_timeout)
+                    finally:
+                        sock.settimeout(frame_timeout)  # for the reply (the deadline left the socket's at what remained)
                 except TimeoutError:
                     self.timed_out = True
                     refuse(sock, "idle", f"a request was not sent whole within {frame_timeout:g} s (frame_timeout_s)")
@@ -107,37 +110,6 @@ def refuse(sock: socket.socket, code: str, message: str) -> None:
         sock.close()
     except OSError:
         pass
-
-
-def _receive_within(sock: socket.socket, seconds: float) -> tuple[dict[str, Any], list[int]]:
-    """One request, all of it within ``seconds`` (`TimeoutError`); the socket's timeout is ``seconds`` again after."""
-    try:
-        return receive(cast(socket.socket, _Deadline(sock, seconds)), MAX_REQUEST_BYTES)
-    finally:
-        sock.settimeout(seconds)
-
-
-class _Deadline:
-    """``sock``'s reads, each with what is left of ``seconds`` from now (`TimeoutError` once it is spent)."""
-
-    def __init__(self, sock: socket.socket, seconds: float) -> None:
-        self._sock, self._end = sock, time.monotonic() + seconds
-
-    def _arm(self) -> None:
-        left = self._end - time.monotonic()
-        if left <= 0:
-            raise TimeoutError("the request's deadline passed")
-        self._sock.settimeout(left)
-
-    def recvmsg(self, *args: Any) -> tuple[bytes, list[tuple[int, int, bytes]], int, Any]:
-        """``socket.recvmsg`` within the deadline."""
-        self._arm()
-        return self._sock.recvmsg(*args)
-
-    def recv_into(self, *args: Any) -> int:
-        """``socket.recv_into`` within the deadline."""
-        self._arm()
-        return self._sock.recv_into(*args)
 
 
 def _readable(sock: socket.socket, timeout: float) -> bool:

@@ -17,8 +17,7 @@ import socket
 import stat
 from pathlib import Path
 
-from .._errors import OmnifeedError
-from ._protocol import describe_uid
+from .._errors import OmnifeedError, describe_uid
 
 log = logging.getLogger("omnifeed.service")
 

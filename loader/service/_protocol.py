@@ -24,16 +24,16 @@ from __future__ import annotations
 
 import array
 import os
-import pwd
 import socket
 import stat
 import struct
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
 
-from .._errors import OmnifeedError
+from .._errors import OmnifeedError, describe_uid
 
 PROTOCOL = 2  # 2: batch frames carry a layout and their keys as one blob
 MAX_REQUEST_BYTES = 1 << 20  # client → service: control messages and re-sent audit records
@@ -98,13 +98,15 @@ def _reject_ext(code: int, data: bytes) -> Any:
 
 
 def receive(sock: socket.socket, limit: int, ext_hook: Callable[[int, bytes], Any] = _reject_ext,
-            accept_fds: bool = False) -> tuple[dict[str, Any], list[int]]:
+            accept_fds: bool = False, deadline: float | None = None) -> tuple[dict[str, Any], list[int]]:
     """One message and the descriptors that came with it; ``EOFError`` when the peer closed the connection.
 
     Raises ``ProtocolError`` for a frame over ``limit`` bytes, a body that is not a msgpack
     map with a string ``"op"``, or descriptors where none are accepted (they are closed).
+    ``deadline`` (``time.monotonic()``): the whole frame must have arrived by then, else
+    ``TimeoutError`` (the socket's timeout is left at what remained).
     """
-    body, fds = receive_frame(sock, limit, accept_fds)
+    body, fds = receive_frame(sock, limit, accept_fds, deadline)
     try:
         return decode(body, ext_hook), fds
     except BaseException:
@@ -112,11 +114,31 @@ def receive(sock: socket.socket, limit: int, ext_hook: Callable[[int, bytes], An
         raise
 
 
-def receive_frame(sock: socket.socket, limit: int, accept_fds: bool = False) -> tuple[bytearray, list[int]]:
+def receive_frame(sock: socket.socket, limit: int, accept_fds: bool = False,
+                  deadline: float | None = None) -> tuple[bytearray, list[int]]:
     """One frame's body, undecoded, and the descriptors that came with it (see `receive`)."""
-    head = bytearray()
     fds: list[int] = []
+    try:
+        return _receive_frame(sock, limit, accept_fds, deadline, fds)
+    except TimeoutError:
+        _close_all(fds)
+        raise
+
+
+def _arm(sock: socket.socket, deadline: float | None) -> None:
+    """Give the next read what is left until ``deadline``: a byte every few seconds does not make a frame."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the frame's deadline passed")
+        sock.settimeout(left)
+
+
+def _receive_frame(sock: socket.socket, limit: int, accept_fds: bool, deadline: float | None,
+                   fds: list[int]) -> tuple[bytearray, list[int]]:
+    head = bytearray()
     while len(head) < _LENGTH.size:
+        _arm(sock, deadline)
         data, ancillary, flags, _ = sock.recvmsg(_LENGTH.size - len(head), socket.CMSG_SPACE(MAX_FDS * 4))
         for level, kind, payload in ancillary:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -141,6 +163,7 @@ def receive_frame(sock: socket.socket, limit: int, accept_fds: bool = False) -> 
     view = memoryview(body)
     got = 0
     while got < length:
+        _arm(sock, deadline)
         n = sock.recv_into(view[got:])
         if n == 0:
             _close_all(fds)
@@ -240,14 +263,6 @@ def connect(address: str, timeout: float | None, trusted_uid: int | None = None)
         sock.close()
         raise
     return sock
-
-
-def describe_uid(uid: int) -> str:
-    """``uid 1001 (alice)``, or ``uid 1001`` for a uid without a name."""
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
 
 
 _CHOOSE = ("choose a socket path in a directory only you can write (the same for `omnifeed serve --socket` and "

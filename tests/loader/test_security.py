@@ -152,7 +152,7 @@ def test_the_services_bounds_are_on_by_default() -> None:
     defaults = {name: field.default for name, field in ServiceConfig.model_fields.items()}
     assert defaults["frame_timeout_s"] <= 10 and defaults["idle_timeout_s"] <= 300
     assert defaults["max_micro_batches_per_step"] <= 65_536 and MAX_GRAD_ACCUM <= 4096
-    assert defaults["max_clients"] <= 256
+    assert defaults["max_clients"] <= 256 and defaults["max_micro_batches_dealt"] <= 16 * 65_536
 
 
 # -- §1 shared memory is private -------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from decoded_values import same_values
 from omnifeed.loader.feed._collate import collate, uncollate
 
 
@@ -32,24 +33,14 @@ def decoded_samples(draw: st.DrawFn) -> list[dict]:
     return samples
 
 
-def same(a: object, b: object) -> bool:
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @settings(max_examples=150, deadline=None)
 @given(decoded_samples())
 def test_uncollate_recovers_every_sample_without_padding(samples: list[dict]) -> None:
     keys = [f"k{i}" for i in range(len(samples))]
     batch = collate(samples, keys, {})
     recovered = uncollate(batch)
-    assert same(recovered, samples)
-    assert same(collate(recovered, keys, {}), batch)
+    assert same_values(recovered, samples)
+    assert same_values(collate(recovered, keys, {}), batch)
 
 
 def test_the_trainer_side_hands_out_the_batch_as_tensors_sharing_its_memory() -> None:

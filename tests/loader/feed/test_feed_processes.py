@@ -7,9 +7,9 @@ import gc
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
+from decoded_values import same_values
 from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, PoolConfig, SampleIndex, build_index
 from omnifeed.loader.feed._collate import collate
 
@@ -40,16 +40,6 @@ def numpy_batches(feed: Feed, count: int | None = None) -> list[dict[str, Any]]:
     return out
 
 
-def equal(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    if isinstance(a, list):
-        return isinstance(b, list) and len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
-    return bool(a == b)
-
-
 def scratch_arenas(feed: Feed) -> list[Any]:
     executors = feed._reader.decoders._executors  # noqa: SLF001  the test looks inside
     return [w.scratch for e in executors.values() for w in e._idle if w.scratch is not None]  # noqa: SLF001
@@ -65,7 +55,7 @@ def test_processes_through_shared_memory_deliver_the_bytes_threads_do(index: Sam
     gc.collect()
     assert all(a.free_bytes() == a.size for a in arenas)  # collated batches and a closed feed hold none of it
     assert [b["__key__"] for b in got] == [b["__key__"] for b in expected]
-    assert all(equal({k: v for k, v in g.items() if k != "__info__"}, {k: v for k, v in e.items() if k != "__info__"})
+    assert all(same_values({k: v for k, v in g.items() if k != "__info__"}, {k: v for k, v in e.items() if k != "__info__"})
                for g, e in zip(got, expected))
 
 
@@ -77,7 +67,7 @@ def test_a_resume_from_processes_is_byte_identical(index: SampleIndex) -> None:
     with Feed(index, config(0)) as resumed:
         resumed.load_state_dict(state)
         again = numpy_batches(resumed, 4)
-    assert all(equal(a, b) for a, b in zip(rest, again))
+    assert all(same_values(a, b) for a, b in zip(rest, again))
 
 
 def test_the_pipe_path_still_delivers_the_same_bytes(index: SampleIndex) -> None:
@@ -86,4 +76,4 @@ def test_the_pipe_path_still_delivers_the_same_bytes(index: SampleIndex) -> None
     with Feed(index, config(1, shared_memory=False)) as pipe:
         got = numpy_batches(pipe, 5)
         assert scratch_arenas(pipe) == []
-    assert all(equal(a, b) for a, b in zip(got, expected))
+    assert all(same_values(a, b) for a, b in zip(got, expected))

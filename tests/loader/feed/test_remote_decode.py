@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
+from decoded_values import same_values
 from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex
 from omnifeed.loader.feed._collate import collate
 from omnifeed.loader.feed._config import PoolConfig
@@ -104,16 +104,6 @@ def numpy_batches_of(feed: Feed, count: int) -> list[dict[str, Any]]:
     return batches
 
 
-def equal(a: Any, b: Any) -> bool:
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b))
-    return bool(a == b)
-
-
 @pytest.fixture(scope="module")
 def local_batches(index_dir: Path) -> list[dict[str, Any]]:
     with Feed(index_dir, FeedConfig(plan=PLAN)) as feed:
@@ -127,7 +117,7 @@ def test_batches_decoded_on_ray_actors_are_the_bytes_of_local_decoding(
         got = numpy_batches(feed)
         stats = remote_of(feed).snapshot()["modalities"]
     assert [b["__key__"] for b in got] == [b["__key__"] for b in local_batches]
-    assert all(equal(g, e) for g, e in zip(got, local_batches))
+    assert all(same_values(g, e) for g, e in zip(got, local_batches))
     assert sum(m["decoded"] for m in stats.values()) > 0, stats  # the actors did decode some of it
     assert all(m["lost"] == 0 and m["failed"] == 0 for m in stats.values()), stats
 
@@ -152,7 +142,7 @@ def test_an_actor_killed_and_a_node_removed_mid_epoch_lose_and_duplicate_nothing
     report = verify_coverage(SampleIndex(index_dir), 0, records)
     assert report.ok, report.to_json()
     assert not bad
-    assert all(equal(g, e) for g, e in zip(got, local_batches)) and len(got) == len(local_batches)
+    assert all(same_values(g, e) for g, e in zip(got, local_batches)) and len(got) == len(local_batches)
     assert sum(m["lost"] for m in stats.values()) >= 1, stats  # tasks that met a dead actor, decoded here
     assert all(m["workers"] == 0 for m in stats.values()), stats  # no node left for actors: all local now
 
@@ -177,7 +167,7 @@ def test_a_task_past_its_deadline_is_decoded_here_and_the_late_answer_dropped(
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     assert verify_coverage(SampleIndex(index_dir), 0, records).ok
     assert not bad
-    assert len(got) == len(local_batches) and all(equal(g, e) for g, e in zip(got, local_batches))
+    assert len(got) == len(local_batches) and all(same_values(g, e) for g, e in zip(got, local_batches))
     assert stats["image"]["reissued"] >= 1 and stats["video"]["reissued"] >= 1, stats
 
 
@@ -257,7 +247,7 @@ def test_remote_workers_come_back_with_the_cluster_and_go_when_it_goes(
             later.shutdown()
     records = [json.loads(line) for line in audit.read_text().splitlines()]
     assert verify_coverage(SampleIndex(index_dir), 0, records).ok
-    assert len(got) == len(local_batches) and all(equal(g, e) for g, e in zip(got, local_batches))
+    assert len(got) == len(local_batches) and all(same_values(g, e) for g, e in zip(got, local_batches))
     assert remote_decoded > 0  # the actors decoded while the cluster was up
     assert snapshot["outages"] == 2 and all(m["workers"] == 0 for m in snapshot["modalities"].values()), snapshot
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 2  # one warning per outage
