@@ -4,9 +4,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTHON ?= python3
 
-.PHONY: demo test bench bench-loaders clean
+.PHONY: demo test test-soak bench bench-loaders clean
 
 $(STAMP): pyproject.toml
+	@echo "installing torch and omnifeed into $(VENV), ~2 min (once)"
 	$(PYTHON) -m venv $(VENV)
 	# torch first, pinned: on these CPU machines 2.13.0 is a local CPU build; an
 	# unpinned torch would pull a multi-GB CUDA build.
@@ -18,8 +19,14 @@ demo: $(STAMP)
 	$(VENV)/bin/omnifeed demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 	$(PY) -m mypy
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not soak"
+
+# The long soaks, harness loops and benchmark smoke runs (marker `soak`): .ci/run runs them after `make test`.
+test-soak: $(STAMP)
+	$(PY) -m pytest -m soak
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_index.py

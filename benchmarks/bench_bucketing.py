@@ -81,7 +81,11 @@ def run(columns: dict[str, np.ndarray], config: PlanConfig, world_size: int, cos
     samples = len(columns["text_tokens"])
     start = time.perf_counter()
     plan = Plan(samples, config, index_fingerprint="bench", lengths=lambda p: {k: v[p] for k, v in columns.items()})
-    cursor, report, last_step = PlanCursor(plan, world_size=world_size), PlanReport(plan, cost=cost), PlanReport(plan, cost=cost)
+    cursor, report, last_step = (
+        PlanCursor(plan, world_size=world_size),
+        PlanReport(plan, cost=cost),
+        PlanReport(plan, cost=cost),
+    )
     step = cursor.next_step()
     while not cursor.epoch_delivered(0):  # the report trails by one step: the last is measured on its own too
         report.add(step)
@@ -103,9 +107,18 @@ def text_only(args: argparse.Namespace, cost: CostModel) -> dict:
     columns = lengths(args.samples, "text")
     budgeted = PlanConfig(seed=0, bucketing=BucketingConfig(budget=args.budget, cost=cost, overlong="alone"))
     bucketed = run(columns, budgeted, args.world_size, cost)
-    fixed = run(columns, PlanConfig(seed=0, batch_size=max(1, round(bucketed["samples_per_micro_batch"]))), args.world_size, cost)
+    fixed = run(
+        columns,
+        PlanConfig(seed=0, batch_size=max(1, round(bucketed["samples_per_micro_batch"]))),
+        args.world_size,
+        cost,
+    )
     packing = BucketingConfig(mode="packing", budget=args.budget / 8, cost=cost, overlong="split")
-    return {"fixed": fixed, "bucketed": bucketed, "packed": run(columns, PlanConfig(seed=0, bucketing=packing), args.world_size, cost)}
+    return {
+        "fixed": fixed,
+        "bucketed": bucketed,
+        "packed": run(columns, PlanConfig(seed=0, bucketing=packing), args.world_size, cost),
+    }
 
 
 def multimodal(args: argparse.Namespace) -> dict:
@@ -120,8 +133,14 @@ def multimodal(args: argparse.Namespace) -> dict:
                 figures = run(columns, PlanConfig(seed=0, bucketing=bucketing), world_size, cost)
                 out["runs"].append({"budget": budget, "world_size": world_size, "dealing": dealing, **figures})
         packing = BucketingConfig(mode="packing", budget=budget / 2, cost=cost, overlong="split")
-        out["runs"].append({"budget": budget / 2, "world_size": args.mix_world_sizes[0], "dealing": "packing (text)",
-                            **run(columns, PlanConfig(seed=0, bucketing=packing), args.mix_world_sizes[0], cost)})
+        out["runs"].append(
+            {
+                "budget": budget / 2,
+                "world_size": args.mix_world_sizes[0],
+                "dealing": "packing (text)",
+                **run(columns, PlanConfig(seed=0, bucketing=packing), args.mix_world_sizes[0], cost),
+            }
+        )
     return out
 
 
@@ -134,7 +153,9 @@ def main() -> None:
     parser.add_argument("--mix-world-sizes", type=int, nargs="+", default=[4, 8])
     args = parser.parse_args()
     results = {"text": text_only(args, CostModel(video_fps=2.0)), "multimodal": multimodal(args)}
-    print(json.dumps({"samples": args.samples, "world_size": args.world_size, "budget": args.budget, **results}, indent=1))
+    print(
+        json.dumps({"samples": args.samples, "world_size": args.world_size, "budget": args.budget, **results}, indent=1)
+    )
 
 
 if __name__ == "__main__":

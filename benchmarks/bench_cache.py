@@ -49,10 +49,8 @@ from omnifeed.loader import (  # noqa: E402
     build_index,
     make_decoder,
 )
-
-from omnifeed.tools._bench import write_images  # noqa: E402
-
 from omnifeed.loader.feed._pipeline import fields_to_decode  # noqa: E402
+from omnifeed.tools._bench import write_images  # noqa: E402
 from omnifeed.tools._precache import PrecacheJob  # noqa: E402
 from omnifeed.tools._precache_run import precache_local  # noqa: E402
 
@@ -88,8 +86,9 @@ def _serve(root: Path, delay: Any, ready: Any) -> None:
 
 
 def dataloader_epoch(index: SampleIndex, workers: int, batch_size: int) -> float:
-    loader = torch.utils.data.DataLoader(RangedImages(index), batch_size=batch_size, shuffle=True,
-                                         num_workers=workers, persistent_workers=False)
+    loader = torch.utils.data.DataLoader(
+        RangedImages(index), batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=False
+    )
     started = time.perf_counter()
     count = sum(len(batch) for batch in loader)
     return count / (time.perf_counter() - started)
@@ -124,12 +123,19 @@ def plain_copy(index: SampleIndex, out: Path, threads: int) -> float:
 def precache_rate(index_dir: Path, cache_dir: Path, workers: int) -> dict[str, Any]:
     """Bytes/s of `omnifeed precache` (local processes) filling an empty NVMe tier from the same server."""
     index = SampleIndex(index_dir)
-    job = PrecacheJob(index=str(index_dir), nvme=NvmeTierConfig(path=str(cache_dir), capacity_bytes=8 * 2**30),
-                      remote=RemoteTierConfig(io_threads=16))
+    job = PrecacheJob(
+        index=str(index_dir),
+        nvme=NvmeTierConfig(path=str(cache_dir), capacity_bytes=8 * 2**30),
+        remote=RemoteTierConfig(io_threads=16),
+    )
     report = precache_local(job, list(range(len(index.manifest["partitions"]))), workers=workers, progress=False)
     counts = report.counts
-    return {"bytes_per_s": counts.fetched_bytes / report.seconds, "seconds": report.seconds,
-            "cached": counts.cached, "failed": counts.failed}
+    return {
+        "bytes_per_s": counts.fetched_bytes / report.seconds,
+        "seconds": report.seconds,
+        "cached": counts.cached,
+        "failed": counts.failed,
+    }
 
 
 def main() -> None:
@@ -158,11 +164,17 @@ def main() -> None:
             plan = PlanConfig(seed=0, batch_size=args.batch_size)
             pools = {"image": PoolConfig(workers=args.workers)}
             remote = RemoteTierConfig(io_threads=16)
-            results: dict[str, Any] = {"images": index.num_samples, "dataset_bytes": nbytes, "latency_s": args.latency,
-                                       "workers": args.workers}
+            results: dict[str, Any] = {
+                "images": index.num_samples,
+                "dataset_bytes": nbytes,
+                "latency_s": args.latency,
+                "workers": args.workers,
+            }
 
             results["dataloader_cold"] = dataloader_epoch(index, args.workers, args.batch_size)
-            cold = FeedConfig(plan=plan, decode=_DECODE, pools=pools, shared_workers=0, cache=CacheConfig(remote=remote))
+            cold = FeedConfig(
+                plan=plan, decode=_DECODE, pools=pools, shared_workers=0, cache=CacheConfig(remote=remote)
+            )
             with Feed(index, cold) as feed:
                 results["feed_cold"] = feed_epoch(feed)
             nvme = NvmeTierConfig(path=str(work / "nvme"), capacity_bytes=4 * 2**30)
@@ -173,8 +185,11 @@ def main() -> None:
             with Feed(index, cold.model_copy(update={"cache": CacheConfig(remote=remote, nvme=nvme, ram=ram)})) as feed:
                 results["feed_filling_ram"] = feed_epoch(feed)
                 results["feed_ram_warm"] = feed_epoch(feed)
-                results["tiers_after_ram_warm"] = {k: {n: v[n] for n in ("hits", "misses", "bytes_hit")} for k, v in
-                                                   feed.metrics()["cache"].items() if k in ("ram", "nvme")}
+                results["tiers_after_ram_warm"] = {
+                    k: {n: v[n] for n in ("hits", "misses", "bytes_hit")}
+                    for k, v in feed.metrics()["cache"].items()
+                    if k in ("ram", "nvme")
+                }
 
             results["plain_copy_bytes_per_s"] = plain_copy(index, work / "copy", threads=16)
             # like for like with the plain copy: one process, 16 reads in flight; then with worker processes
@@ -183,8 +198,9 @@ def main() -> None:
         finally:
             server.kill()
         base = results["dataloader_cold"]
-        results["ratios_to_dataloader"] = {k: results[k] / base for k in
-                                           ("feed_cold", "feed_nvme_warm", "feed_ram_warm")}
+        results["ratios_to_dataloader"] = {
+            k: results[k] / base for k in ("feed_cold", "feed_nvme_warm", "feed_ram_warm")
+        }
         results["precache_to_plain_copy"] = results["precache"]["bytes_per_s"] / results["plain_copy_bytes_per_s"]
         print(json.dumps(results, indent=2))
         args.out.write_text(json.dumps(results, indent=2) + "\n")

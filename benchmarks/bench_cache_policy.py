@@ -173,8 +173,11 @@ def main() -> None:
     for case, (trace, capacity) in cases.items():
         results[case] = {name: round(policy(trace, size, capacity), 4) for name, policy in policies.items()}
         row = results[case]
-        print(f"{case:36s} " + "  ".join(f"{name} {row[name]:.3f}" for name in policies)
-              + f"   RamTier/LRU {row['omnifeed RamTier'] / max(row['lru'], 1e-9):.2f}x")
+        print(
+            f"{case:36s} "
+            + "  ".join(f"{name} {row[name]:.3f}" for name in policies)
+            + f"   RamTier/LRU {row['omnifeed RamTier'] / max(row['lru'], 1e-9):.2f}x"
+        )
     Path(__file__).with_name("results-cache-policy.json").write_text(json.dumps(results, indent=2) + "\n")
 
 

@@ -77,9 +77,15 @@ class Fields(Pictures):
     """Seven small tensors per item."""
 
     def __getitem__(self, i: int) -> dict[str, Any]:  # type: ignore[override]
-        return {"picture": self.picture[:, :64, :64].clone(), "label": i % 10, "box": torch.rand(4),
-                "mask": torch.ones(64, dtype=torch.bool), "tokens": torch.arange(32), "weight": torch.tensor(1.0),
-                "ids": torch.full((8,), i)}
+        return {
+            "picture": self.picture[:, :64, :64].clone(),
+            "label": i % 10,
+            "box": torch.rand(4),
+            "mask": torch.ones(64, dtype=torch.bool),
+            "tokens": torch.arange(32),
+            "weight": torch.tensor(1.0),
+            "ids": torch.full((8,), i),
+        }
 
 
 def write_jpegs(out: Path, count: int) -> list[Path]:

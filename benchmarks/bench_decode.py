@@ -24,8 +24,8 @@ from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 
 import torch
 
-from omnifeed.loader.decode._registry import decode_audio, decode_image, decode_video
 from omnifeed.loader.decode._config import AudioDecodeConfig, ImageDecodeConfig, VideoDecodeConfig
+from omnifeed.loader.decode._registry import decode_audio, decode_image, decode_video
 from omnifeed.tools._demo_data import encode_flac, encode_image, encode_video
 
 

@@ -60,8 +60,13 @@ def _measure(name: str, run, samples: int) -> dict:  # noqa: ANN001
     cpu, start = _cpu(), time.perf_counter()
     extra = run() or {}
     seconds = time.perf_counter() - start
-    return {"name": name, "seconds": round(seconds, 3), "samples_per_s": round(samples / seconds, 1),
-            "cpu_s_per_sample": round((_cpu() - cpu) / samples * 1e3, 3) / 1e3, **extra}
+    return {
+        "name": name,
+        "seconds": round(seconds, 3),
+        "samples_per_s": round(samples / seconds, 1),
+        "cpu_s_per_sample": round((_cpu() - cpu) / samples * 1e3, 3) / 1e3,
+        **extra,
+    }
 
 
 def _decode_range(args: tuple[str, list[int], bool]) -> int:
@@ -100,33 +105,55 @@ def image_runs(index_path: str, samples: int, workers: int, batch_size: int) -> 
     chunks = [list(range(w, samples, workers)) for w in range(workers)]
     results = []
     for draft in (False, True):
+
         def limit() -> None:
             with multiprocessing.get_context("fork").Pool(workers) as pool:
                 pool.map(_decode_range, [(index_path, chunk, draft) for chunk in chunks])
+
         results.append(_measure(f"decode_limit_draft_{draft}", limit, samples))
 
     def dataloader() -> None:
-        loader = torch.utils.data.DataLoader(IndexImages(index_path, False), batch_size=batch_size, shuffle=True,
-                                             num_workers=workers, generator=torch.Generator().manual_seed(0))
+        loader = torch.utils.data.DataLoader(
+            IndexImages(index_path, False),
+            batch_size=batch_size,
+            shuffle=True,
+            num_workers=workers,
+            generator=torch.Generator().manual_seed(0),
+        )
         for _ in loader:
             pass
+
     results.append(_measure("dataloader", dataloader, samples))
 
-    for processes, shared, draft in ((0, True, False), (workers, True, False), (workers, False, False),
-                                     (0, True, True), (workers, True, True)):
+    for processes, shared, draft in (
+        (0, True, False),
+        (workers, True, False),
+        (workers, False, False),
+        (0, True, True),
+        (workers, True, True),
+    ):
+
         def feed() -> dict:
             config = FeedConfig(
                 plan=PlanConfig(seed=0, batch_size=batch_size),
                 decode=DecodeConfig(image=ImageDecodeConfig(**_IMAGE, draft=draft)),
-                pools={"image": PoolConfig(workers=2 * workers if processes else workers, processes=processes,
-                                           shared_memory=shared, buffer_samples=4 * batch_size),
-                       "text": PoolConfig(workers=1), "meta": PoolConfig(workers=0)},
+                pools={
+                    "image": PoolConfig(
+                        workers=2 * workers if processes else workers,
+                        processes=processes,
+                        shared_memory=shared,
+                        buffer_samples=4 * batch_size,
+                    ),
+                    "text": PoolConfig(workers=1),
+                    "meta": PoolConfig(workers=0),
+                },
                 shared_workers=0,
             )
             with Feed(index_path, config) as f:
                 for _ in f:
                     pass
                 return {"consumer_wait_s": round(f.metrics()["consumer_wait_s"], 3)}
+
         kind = (f"{processes}_processes" + ("" if shared else "_pipe")) if processes else "threads"
         results.append(_measure(f"feed_{kind}_draft_{draft}", feed, samples))
     return results
@@ -134,10 +161,15 @@ def image_runs(index_path: str, samples: int, workers: int, batch_size: int) -> 
 
 def _mixed_pools(kind: str, workers: int) -> tuple[dict[str, PoolConfig], int]:
     if kind == "threads":
-        return {m: PoolConfig(workers=1) for m in ("image", "video", "audio", "text")} | {"meta": PoolConfig(workers=0)}, 1
+        return {m: PoolConfig(workers=1) for m in ("image", "video", "audio", "text")} | {
+            "meta": PoolConfig(workers=0)
+        }, 1
     if kind == "processes":
-        return ({m: PoolConfig(workers=2 * workers, processes=workers) for m in ("image", "video", "audio", "text")}
-                | {"meta": PoolConfig(workers=0)}, 0)
+        return (
+            {m: PoolConfig(workers=2 * workers, processes=workers) for m in ("image", "video", "audio", "text")}
+            | {"meta": PoolConfig(workers=0)},
+            0,
+        )
     return FeedConfig().pools, FeedConfig().shared_workers
 
 
@@ -149,18 +181,25 @@ def mixed_run(work: Path, samples: int, workers: int) -> dict:
     runs = {}
     for kind in ("default", "threads", "processes"):
         pools, shared = _mixed_pools(kind, workers)
-        with Feed(index.path, FeedConfig(plan=PlanConfig(seed=0, batch_size=16), pools=pools,
-                                         shared_workers=shared)) as feed:
+        with Feed(
+            index.path, FeedConfig(plan=PlanConfig(seed=0, batch_size=16), pools=pools, shared_workers=shared)
+        ) as feed:
             cpu, start = _cpu(), time.perf_counter()
             for _ in feed:
                 pass
             seconds = time.perf_counter() - start
             metrics = feed.metrics()
-        runs[kind] = {"samples": samples, "seconds": round(seconds, 3), "samples_per_s": round(samples / seconds, 1),
-                      "cpu_ms_per_sample": round((_cpu() - cpu) / samples * 1e3, 2),
-                      "consumer_wait_s": round(metrics["consumer_wait_s"], 3),
-                      "modalities": {m: {"decoded": v["decoded"], "p50_ms": round(v["decode_latency_s"]["p50"] * 1e3, 2)}
-                                     for m, v in metrics["modalities"].items()}}
+        runs[kind] = {
+            "samples": samples,
+            "seconds": round(seconds, 3),
+            "samples_per_s": round(samples / seconds, 1),
+            "cpu_ms_per_sample": round((_cpu() - cpu) / samples * 1e3, 2),
+            "consumer_wait_s": round(metrics["consumer_wait_s"], 3),
+            "modalities": {
+                m: {"decoded": v["decoded"], "p50_ms": round(v["decode_latency_s"]["p50"] * 1e3, 2)}
+                for m, v in metrics["modalities"].items()
+            },
+        }
     return runs
 
 
@@ -181,8 +220,14 @@ def main() -> None:
         for r in runs:
             r["vs_dataloader"] = round(r["samples_per_s"] / base, 3)
             r["vs_decode_limit_same_code"] = round(r["samples_per_s"] / limit, 3)
-        report = {"cpus": os.cpu_count(), "images": args.images, "workers": args.workers,
-                  "batch_size": args.batch_size, "image": runs, "mixed": mixed_run(work, args.mixed, args.workers)}
+        report = {
+            "cpus": os.cpu_count(),
+            "images": args.images,
+            "workers": args.workers,
+            "batch_size": args.batch_size,
+            "image": runs,
+            "mixed": mixed_run(work, args.mixed, args.workers),
+        }
         print(json.dumps(report, indent=1))
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -62,13 +62,13 @@ import torch.utils.data as tud
 import webdataset
 
 from omnifeed.loader import FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
-from omnifeed.loader.plan._audit import delivery_record
 from omnifeed.loader.feed._collate import collate
-from omnifeed.loader.plan._cursor import PlanCursor
 from omnifeed.loader.feed._feed import Feed, Taken
-from omnifeed.loader.service._server import FeedService
-from omnifeed.loader.service._config import ServiceConfig
 from omnifeed.loader.feed._torch_batch import to_torch
+from omnifeed.loader.plan._audit import delivery_record
+from omnifeed.loader.plan._cursor import PlanCursor
+from omnifeed.loader.service._config import ServiceConfig
+from omnifeed.loader.service._server import FeedService
 from omnifeed.tools._demo_data import encode_image
 from omnifeed.trainer_adapter import FeedClient
 
@@ -120,8 +120,15 @@ def premade_take(samples: list[dict[str, Any]], keys: list[str]) -> Callable[[Fe
         accum = feed._accum_done
         micro_batch = step.for_rank(feed.rank)[accum]
         taken = [keys[p] for p in micro_batch.positions.tolist()]
-        info = {"epoch": micro_batch.epoch, "step": step.step, "micro_batch": micro_batch.index, "rank": feed.rank,
-                "accum": accum, "topology_version": step.topology_version, "replaced": []}
+        info = {
+            "epoch": micro_batch.epoch,
+            "step": step.step,
+            "micro_batch": micro_batch.index,
+            "rank": feed.rank,
+            "accum": accum,
+            "topology_version": step.topology_version,
+            "replaced": [],
+        }
         record = {**delivery_record(step, feed.rank, accum, micro_batch, taken), "replaced": []}
         if accum + 1 == feed.grad_accum:
             feed._position, feed._accum_done = cursor.state_dict(), 0
@@ -139,8 +146,9 @@ def serve(index: str, socket_path: str, n: int, tensors: int, conn: Connection) 
     every = SampleIndex(index)
     keys = every.keys(np.arange(every.num_samples))
     Feed.take = premade_take(pictures(n, tensors=tensors), keys)  # type: ignore[method-assign]
-    config = ServiceConfig(index=index, socket=socket_path,
-                           feed=FeedConfig(plan=PlanConfig(batch_size=n, drop_last=True, seed=0)))
+    config = ServiceConfig(
+        index=index, socket=socket_path, feed=FeedConfig(plan=PlanConfig(batch_size=n, drop_last=True, seed=0))
+    )
     with FeedService(config):
         conn.send("ready")
         conn.recv()
@@ -216,8 +224,13 @@ def _cpu_of(pids: list[int]) -> float:
     return total
 
 
-def drive(next_batch: Callable[[], dict[str, Any]], batches: int, warmup: int, producers: Callable[[], list[int]],
-          expected: int) -> dict[str, Any]:
+def drive(
+    next_batch: Callable[[], dict[str, Any]],
+    batches: int,
+    warmup: int,
+    producers: Callable[[], list[int]],
+    expected: int,
+) -> dict[str, Any]:
     """Take ``warmup`` then ``batches`` batches, touching one byte of each and dropping it; the figures of the latter."""
     for _ in range(max(1, warmup)):
         batch = next_batch()
@@ -250,7 +263,9 @@ def drive(next_batch: Callable[[], dict[str, Any]], batches: int, warmup: int, p
     }
 
 
-def run_service(client: FeedClient, service: ServiceProcess, batches: int, warmup: int, expected: int) -> dict[str, Any]:
+def run_service(
+    client: FeedClient, service: ServiceProcess, batches: int, warmup: int, expected: int
+) -> dict[str, Any]:
     pid = service.process.pid
     assert pid is not None
     return drive(client.next_batch, batches, warmup, lambda: [pid], expected)
@@ -258,12 +273,13 @@ def run_service(client: FeedClient, service: ServiceProcess, batches: int, warmu
 
 def run_dataloader(dataset: SharedBatches, workers: int, batches: int, warmup: int, expected: int) -> dict[str, Any]:
     dataset.length = batches + warmup
-    iterator = iter(tud.DataLoader(dataset, batch_size=None, num_workers=workers))
+    iterators = [iter(tud.DataLoader(dataset, batch_size=None, num_workers=workers))]
     try:
-        return drive(lambda: next(iterator), batches, warmup,
-                     lambda: [w.pid for w in iterator._workers], expected)  # type: ignore[attr-defined]
+        return drive(
+            lambda: next(iterators[0]), batches, warmup, lambda: [w.pid for w in iterators[0]._workers], expected
+        )  # type: ignore[attr-defined]
     finally:
-        del iterator
+        iterators.clear()  # the iterator's workers stop when it goes
 
 
 def run_copies(samples: list[dict[str, Any]], repeats: int) -> dict[str, float]:
@@ -310,8 +326,13 @@ def compare(n: int, tensors: int, index: Path, work: Path, args: argparse.Namesp
     finally:
         client.close()
         service.close()
-    result: dict[str, Any] = {"images": n, "tensors": tensors, "batch_bytes": nbytes, "batches": batches,
-                              "warmup": args.warmup}
+    result: dict[str, Any] = {
+        "images": n,
+        "tensors": tensors,
+        "batch_bytes": nbytes,
+        "batches": batches,
+        "warmup": args.warmup,
+    }
     for name in ("memcpy", "stack"):
         result[name] = {"gb_per_s": statistics.median(c[name] for c in copies), "rounds": [c[name] for c in copies]}
     for name, runs in rounds.items():
@@ -331,8 +352,11 @@ def compare(n: int, tensors: int, index: Path, work: Path, args: argparse.Namesp
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| batch | what | GB/s | vs DataLoader | trainer CPU ms/batch (loop) | in next(): process / thread ms "
-             "| in next(): process ms, median | producer CPU ms/batch |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| batch | what | GB/s | vs DataLoader | trainer CPU ms/batch (loop) | in next(): process / thread ms "
+        "| in next(): process ms, median | producer CPU ms/batch |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in results["sizes"].values():
         label = f"{r['batch_bytes'] / 1e6:.1f} MB ({r['images']} images, {r.get('tensors', 3)} tensors)"
         for name in ("memcpy", "stack", "service", "dataloader"):
@@ -346,16 +370,19 @@ def table(results: dict[str, Any]) -> str:
                 producer = f"{row['producer_cpu_ms_per_batch']:.1f}"
             else:
                 cpu = inner = median = producer = "—"
-            lines.append(f"| {label} | {name} | {row['gb_per_s']:.2f} | {row['gb_per_s_vs_dataloader']:.2f} | {cpu} "
-                         f"| {inner} | {median} | {producer} |")
+            lines.append(
+                f"| {label} | {name} | {row['gb_per_s']:.2f} | {row['gb_per_s_vs_dataloader']:.2f} | {cpu} "
+                f"| {inner} | {median} | {producer} |"
+            )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes-mb", type=float, nargs="+", default=[10.0, 150.0], help="batch sizes, MB (1e6 bytes)")
-    parser.add_argument("--tensors", type=int, nargs="+", default=[3],
-                        help="tensors per batch (3: the image's; more: int meta fields)")
+    parser.add_argument(
+        "--tensors", type=int, nargs="+", default=[3], help="tensors per batch (3: the image's; more: int meta fields)"
+    )
     parser.add_argument("--no-dataloader", action="store_true", help="measure the service hand-off alone")
     parser.add_argument("--gb-per-run", type=float, default=4.0, help="tensor bytes each loader moves per round, GB")
     parser.add_argument("--min-batches", type=int, default=20, help="measured batches per round at least")
@@ -367,8 +394,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.sizes_mb, args.gb_per_run, args.min_batches, args.warmup, args.rounds = [1.0], 0.0, 10, 3, 1
-    results: dict[str, Any] = {"cpus": os.cpu_count(), "torch": torch.__version__, "workers": args.workers,
-                               "rounds": args.rounds, "gb_per_run": args.gb_per_run, "sizes": {}}
+    results: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "workers": args.workers,
+        "rounds": args.rounds,
+        "gb_per_run": args.gb_per_run,
+        "sizes": {},
+    }
     counts = {mb: math.ceil(mb * 1e6 / PICTURE_BYTES) for mb in args.sizes_mb}
     with tempfile.TemporaryDirectory(prefix="omnifeed-bench-handoff-") as tmp:
         index = write_index(Path(tmp), BATCHES_PER_EPOCH * max(counts.values()))

@@ -46,12 +46,21 @@ def synthetic_tables(rows: int, shard_rows: int = 10_000):
         names = pa.array(np.tile(["jpg", "txt"], n))
         members = pa.array([f"sample-{i:010d}.{e}" for i in range(start, start + n) for e in ("jpg", "txt")])
         fields = pa.StructArray.from_arrays(
-            [names, pa.array(np.tile(["image", "text"], n)), members, pa.array(offsets.ravel()), pa.array(sizes.ravel())],
+            [
+                names,
+                pa.array(np.tile(["image", "text"], n)),
+                members,
+                pa.array(offsets.ravel()),
+                pa.array(sizes.ravel()),
+            ],
             fields=list(ROW_SCHEMA.field("fields").type.value_type),
         )
         columns = {
-            "key": keys, "shard": pa.array(np.full(n, shard, np.int32)), "shard_row": pa.array(np.arange(n)),
-            "row_group": pa.array(np.full(n, -1, np.int32)), "row": pa.array(np.full(n, -1, np.int64)),
+            "key": keys,
+            "shard": pa.array(np.full(n, shard, np.int32)),
+            "shard_row": pa.array(np.arange(n)),
+            "row_group": pa.array(np.full(n, -1, np.int32)),
+            "row": pa.array(np.full(n, -1, np.int64)),
             "fields": pa.ListArray.from_arrays(pa.array(np.arange(0, 2 * n + 1, 2, dtype=np.int32)), fields),
         }
         for name, dtype in LENGTH_COLUMNS.items():
@@ -75,8 +84,12 @@ def build(rows: int, out: Path) -> dict:
     report = write_index_from_tables(synthetic_tables(rows), shards, [0] * len(shards), out, IndexConfig(partitions=16))
     seconds = time.perf_counter() - start
     disk = {s: sum(p.stat().st_size for p in out.glob(f"*.{s}")) for s in ("parquet", "arrow", "npy")}
-    return {"rows": report.num_samples, "seconds": round(seconds, 2), "rows_per_s": round(rows / seconds),
-            "disk_mb": {k: round(v / 2**20, 1) for k, v in disk.items()}}
+    return {
+        "rows": report.num_samples,
+        "seconds": round(seconds, 2),
+        "rows_per_s": round(rows / seconds),
+        "disk_mb": {k: round(v / 2**20, 1) for k, v in disk.items()},
+    }
 
 
 _OPEN_PROBE = r"""
@@ -109,10 +122,13 @@ def open_cost(path: Path) -> dict:
     """Private memory and time to open and touch the index, memory-mapped vs read from Parquet."""
     results = {}
     for how in ("mmap", "parquet_read"):
-        out = subprocess.run([sys.executable, "-c", _OPEN_PROBE, str(path), how], capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", _OPEN_PROBE, str(path), how], capture_output=True, text=True, check=True
+        )
         results[how] = json.loads(out.stdout)
     results["private_memory_ratio_mmap_vs_parquet"] = round(
-        results["mmap"]["touched_mb"] / max(results["parquet_read"]["touched_mb"], 0.1), 4)
+        results["mmap"]["touched_mb"] / max(results["parquet_read"]["touched_mb"], 0.1), 4
+    )
     return results
 
 
@@ -128,8 +144,11 @@ def scan(samples: int, work: Path) -> dict:
         start = time.perf_counter()
         build_index([str(p) for p in shards], work / f"scan-{workers}", IndexConfig(workers=workers), progress=False)
         seconds = time.perf_counter() - start
-        result[f"workers_{workers}"] = {"seconds": round(seconds, 2), "samples_per_s": round(samples / seconds, 1),
-                                        "mb_per_s": round(mb / seconds, 1)}
+        result[f"workers_{workers}"] = {
+            "seconds": round(seconds, 2),
+            "samples_per_s": round(samples / seconds, 1),
+            "mb_per_s": round(mb / seconds, 1),
+        }
     return result
 
 

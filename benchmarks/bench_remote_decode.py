@@ -54,8 +54,12 @@ def write_clips(folder: Path, samples: int, width: int, height: int) -> Path:
 
 def feed_config(actors: int) -> FeedConfig:
     remote = RemoteConfig(workers=actors, tasks_per_worker=2) if actors else None
-    return FeedConfig(plan=PlanConfig(seed=1, batch_size=8), decode=DECODE, shared_workers=0,
-                      pools={"video": PoolConfig(workers=1, buffer_samples=32, remote=remote)})
+    return FeedConfig(
+        plan=PlanConfig(seed=1, batch_size=8),
+        decode=DECODE,
+        shared_workers=0,
+        pools={"video": PoolConfig(workers=1, buffer_samples=32, remote=remote)},
+    )
 
 
 def epoch(index: Path, actors: int) -> dict[str, Any]:
@@ -69,18 +73,26 @@ def epoch(index: Path, actors: int) -> dict[str, Any]:
             samples += len(batch["__key__"])
         seconds = time.perf_counter() - started
         video = remote.snapshot()["modalities"]["video"] if remote is not None else {}
-    return {"actors": actors, "samples": samples, "seconds": round(seconds, 3),
-            "samples_per_s": round(samples / seconds, 1),
-            "remote_decoded": video.get("decoded", 0), "local_decoded": video.get("local_decoded", samples),
-            "round_trip_p50_ms": round(1e3 * video.get("round_trip_s", {}).get("p50", 0.0), 1)}
+    return {
+        "actors": actors,
+        "samples": samples,
+        "seconds": round(seconds, 3),
+        "samples_per_s": round(samples / seconds, 1),
+        "remote_decoded": video.get("decoded", 0),
+        "local_decoded": video.get("local_decoded", samples),
+        "round_trip_p50_ms": round(1e3 * video.get("round_trip_s", {}).get("p50", 0.0), 1),
+    }
 
 
 def round_trip(index: Path, calls: int) -> dict[str, Any]:
     """One actor, one task at a time: the round trip vs decoding here; the bytes sent back per sample."""
     sample_index = SampleIndex(index)
     samples = list(sample_index.samples(np.arange(min(calls, sample_index.num_samples))))
-    actor = ray.remote(DecodeActor).options(num_cpus=1).remote(
-        DECODE.model_dump_json(), FeedConfig().cache.model_dump_json(), sample_index.fingerprint)
+    actor = (
+        ray.remote(DecodeActor)
+        .options(num_cpus=1)
+        .remote(DECODE.model_dump_json(), FeedConfig().cache.model_dump_json(), sample_index.fingerprint)
+    )
     ray.get(actor.ready.remote())
     decoder = make_decoder("video", DECODE)
     trips, local, returned = [], [], 0
@@ -98,10 +110,13 @@ def round_trip(index: Path, calls: int) -> dict[str, Any]:
         decoder(data, sample.key)
         local.append(time.perf_counter() - started)
     ray.kill(actor)
-    return {"calls": len(samples), "round_trip_p50_ms": round(1e3 * float(np.median(trips)), 2),
-            "local_decode_p50_ms": round(1e3 * float(np.median(local)), 2),
-            "overhead_p50_ms": round(1e3 * (float(np.median(trips)) - float(np.median(local))), 2),
-            "bytes_back_per_sample": returned // max(1, len(samples))}
+    return {
+        "calls": len(samples),
+        "round_trip_p50_ms": round(1e3 * float(np.median(trips)), 2),
+        "local_decode_p50_ms": round(1e3 * float(np.median(local)), 2),
+        "overhead_p50_ms": round(1e3 * (float(np.median(trips)) - float(np.median(local))), 2),
+        "bytes_back_per_sample": returned // max(1, len(samples)),
+    }
 
 
 def main() -> None:
@@ -129,8 +144,20 @@ def main() -> None:
         finally:
             ray.shutdown()
             cluster.shutdown()
-    print(json.dumps({"size": args.size, "service_core": args.service_core, "cluster_cores": sorted(others), "nodes": args.nodes,
-                      "samples": args.samples, "epochs": runs, "round_trip": trip}, indent=1))
+    print(
+        json.dumps(
+            {
+                "size": args.size,
+                "service_core": args.service_core,
+                "cluster_cores": sorted(others),
+                "nodes": args.nodes,
+                "samples": args.samples,
+                "epochs": runs,
+                "round_trip": trip,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,8 @@ from typing import Any
 import yaml
 
 from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex
-from omnifeed.loader.plan._cursor import PlanCursor
 from omnifeed.loader.feed._feed import FEED_STATE_FORMAT
+from omnifeed.loader.plan._cursor import PlanCursor
 from omnifeed.loader.plan._plan import Plan
 from omnifeed.loader.service._protocol import request_metrics, wait_until_serving
 from omnifeed.tools._synthetic_index import make_index
@@ -125,14 +125,21 @@ class Service:
     def __init__(self, setup: Setup) -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="of-resize-", dir="/tmp"))  # socket paths stay under 108 bytes
         self.address = str(self.folder / "feed.sock")
-        config = {"index": str(setup.index), "socket": self.address, "stream_idle_s": 120,
-                  "feed": {"plan": {"seed": SEED, "batch_size": setup.batch_size}}}
+        config = {
+            "index": str(setup.index),
+            "socket": self.address,
+            "stream_idle_s": 120,
+            "feed": {"plan": {"seed": SEED, "batch_size": setup.batch_size}},
+        }
         config_path = setup.work / "service.yaml"
         config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
         self.log_path = setup.work / "service.log"
         self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115
-        self.process = subprocess.Popen([sys.executable, "-m", "omnifeed.tools", "serve", "--config", str(config_path)],
-                                        stdout=self._log, stderr=subprocess.STDOUT)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "omnifeed.tools", "serve", "--config", str(config_path)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
         try:
             wait_until_serving(self.address, self.process, 120.0, detail=lambda: f"see {self.log_path}")
         except (RuntimeError, TimeoutError):
@@ -141,8 +148,12 @@ class Service:
 
     def metrics(self) -> dict[str, Any]:
         snapshot = request_metrics(self.address)
-        return {"resizes": snapshot["resizes"], "last_resize_ms": round(snapshot["last_resize_s"] * 1000, 1),
-                "resize_seconds_total": round(snapshot["resize_seconds"], 4), "handed_over": snapshot["handed_over"]}
+        return {
+            "resizes": snapshot["resizes"],
+            "last_resize_ms": round(snapshot["last_resize_s"] * 1000, 1),
+            "resize_seconds_total": round(snapshot["resize_seconds"], 4),
+            "handed_over": snapshot["handed_over"],
+        }
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -162,9 +173,23 @@ def profiled(pid: int, out: Path | None) -> Iterator[None]:
     if out is None:
         yield
         return
-    spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid), "--threads",
-                            "--rate", "200", "--format", "raw", "--output", str(out)],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    spy = subprocess.Popen(
+        [
+            str(Path(sys.executable).with_name("py-spy")),
+            "record",
+            "--pid",
+            str(pid),
+            "--threads",
+            "--rate",
+            "200",
+            "--format",
+            "raw",
+            "--output",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     time.sleep(1.0)  # attached
     try:
         yield
@@ -227,8 +252,9 @@ def stayed(client: FeedClient, world: int, rank: int, size: int, version: int) -
     return client, resized(client, world, rank, size, version)
 
 
-def joined(address: str, world: int, rank: int, state: dict[str, Any], size: int,
-           version: int) -> tuple[FeedClient, dict[str, float]]:
+def joined(
+    address: str, world: int, rank: int, state: dict[str, Any], size: int, version: int
+) -> tuple[FeedClient, dict[str, float]]:
     """A new rank: a client, ``load_state_dict(state)`` (a resize) and its first batch: ms to each."""
     started = time.perf_counter()
     client = FeedClient(address, rank=rank, world_size=world)
@@ -241,9 +267,13 @@ def joined(address: str, world: int, rank: int, state: dict[str, Any], size: int
 def summary(per_client: list[dict[str, float]]) -> dict[str, Any]:
     """Max and median over the clients of a change, and each client's figures (ms)."""
     totals, calls = [c["total_ms"] for c in per_client], [c["resize_call_ms"] for c in per_client]
-    return {"total_max_ms": round(max(totals), 1), "total_median_ms": round(statistics.median(totals), 1),
-            "resize_call_max_ms": round(max(calls), 1), "resize_call_median_ms": round(statistics.median(calls), 1),
-            "clients": [{k: round(v, 1) for k, v in c.items()} for c in per_client]}
+    return {
+        "total_max_ms": round(max(totals), 1),
+        "total_median_ms": round(statistics.median(totals), 1),
+        "resize_call_max_ms": round(max(calls), 1),
+        "resize_call_median_ms": round(statistics.median(calls), 1),
+        "clients": [{k: round(v, 1) for k, v in c.items()} for c in per_client],
+    }
 
 
 def service_run(setup: Setup, start: dict[str, Any] | None, profile: Path | None = None) -> dict[str, Any]:
@@ -271,7 +301,8 @@ def service_run(setup: Setup, start: dict[str, Any] | None, profile: Path | None
         time.sleep(setup.settle_s)
         saved = clients[0].state_dict()
         jobs: list[Callable[[], tuple[FeedClient, dict[str, float]]]] = [
-            partial(stayed, c, W2, r, size, version + 2) for r, c in enumerate(clients)]
+            partial(stayed, c, W2, r, size, version + 2) for r, c in enumerate(clients)
+        ]
         jobs += [partial(joined, service.address, W2, r, saved, size, version + 2) for r in range(W1, W2)]
         with profiled(service.process.pid, profile and profile.with_name(profile.name + "-grow.txt")):
             grown = together(jobs)
@@ -328,10 +359,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="lockstep steps before each change")
     parser.add_argument("--settle-s", type=float, default=1.0, help="pause before each change (the service prefetches)")
     parser.add_argument("--work", type=Path, default=HERE / "_work" / "resize-cache")
-    parser.add_argument("--out", type=Path, default=None, help=f"JSON output (default {RESULTS.name}; none with --quick)")
-    parser.add_argument("--py-spy", type=Path, default=None, metavar="DIR",
-                        help="record the service with py-spy during each change (raw stacks into DIR; slows it down)")
-    parser.add_argument("--quick", action="store_true", help="smoke test: 20,000 rows, batches of 8, 1 step, short pauses")
+    parser.add_argument(
+        "--out", type=Path, default=None, help=f"JSON output (default {RESULTS.name}; none with --quick)"
+    )
+    parser.add_argument(
+        "--py-spy",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="record the service with py-spy during each change (raw stacks into DIR; slows it down)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: 20,000 rows, batches of 8, 1 step, short pauses"
+    )
     args = parser.parse_args()
     if args.quick:
         args.rows, args.batch_size, args.steps, args.settle_s = 20_000, 8, 1, 0.2
@@ -341,16 +381,27 @@ def main() -> None:
     load_before = os.getloadavg()
     index, built = make_index(args.work, args.rows)
     setup = Setup(args.work, index, args.batch_size, args.steps, args.settle_s)
-    report: dict[str, Any] = {"machine": {"cpus": os.cpu_count()}, "rows": args.rows, "batch_size": args.batch_size,
-                              "steps": args.steps, "settle_s": args.settle_s, "target_ms": TARGET_MS,
-                              "index": {**built, **check_index(setup, args.rows)}}
+    report: dict[str, Any] = {
+        "machine": {"cpus": os.cpu_count()},
+        "rows": args.rows,
+        "batch_size": args.batch_size,
+        "steps": args.steps,
+        "settle_s": args.settle_s,
+        "target_ms": TARGET_MS,
+        "index": {**built, **check_index(setup, args.rows)},
+    }
     deep, deep_s = deep_state(setup, args.deep)
-    report["deep_position"] = {"fraction": args.deep, "micro_batch": deep["plan"]["micro_batch"],
-                               "cursor_stepped_s": round(deep_s, 2)}
+    report["deep_position"] = {
+        "fraction": args.deep,
+        "micro_batch": deep["plan"]["micro_batch"],
+        "cursor_stepped_s": round(deep_s, 2),
+    }
     if args.py_spy is not None:
         args.py_spy.mkdir(parents=True, exist_ok=True)
     positions = (("early", None), ("deep", deep))
-    report["service"] = {name: service_run(setup, start, args.py_spy and args.py_spy / name) for name, start in positions}
+    report["service"] = {
+        name: service_run(setup, start, args.py_spy and args.py_spy / name) for name, start in positions
+    }
     report["in_process"] = {name: in_process_run(setup, start) for name, start in positions}
     worst = max(report["service"][p][c]["total_max_ms"] for p, _ in positions for c in ("shrink_4_to_3", "grow_3_to_6"))
     report["service_worst_ms"], report["target_met"] = worst, worst <= TARGET_MS

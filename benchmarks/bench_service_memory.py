@@ -118,8 +118,9 @@ def http_index(shards: list[Path], out: Path, server: Any) -> Path:
     return out
 
 
-def service_config(index: Path, socket_path: Path, *, batch_size: int, prefetch_batches: int,
-                   ram_mib: int, ram_name: str) -> dict[str, Any]:
+def service_config(
+    index: Path, socket_path: Path, *, batch_size: int, prefetch_batches: int, ram_mib: int, ram_name: str
+) -> dict[str, Any]:
     """The chaos soak's service config (no audit log, no HTTP origin), with an optional RAM tier."""
     feed: dict[str, Any] = {
         "plan": {"seed": 0, "batch_size": batch_size},
@@ -127,8 +128,13 @@ def service_config(index: Path, socket_path: Path, *, batch_size: int, prefetch_
     }
     if ram_mib:
         feed["cache"] = {"ram": {"name": ram_name, "capacity_bytes": ram_mib * _MIB}}
-    return {"index": str(index), "socket": str(socket_path), "prefetch_batches": prefetch_batches,
-            "stream_idle_s": 30.0, "feed": feed}
+    return {
+        "index": str(index),
+        "socket": str(socket_path),
+        "prefetch_batches": prefetch_batches,
+        "stream_idle_s": 30.0,
+        "feed": feed,
+    }
 
 
 def budgets(config: dict[str, Any]) -> dict[str, Any]:
@@ -136,8 +142,12 @@ def budgets(config: dict[str, Any]) -> dict[str, Any]:
     feed = FeedConfig(**config["feed"])
     pools = {m: feed.pool(m).buffer_bytes for m in ("text", "image", "video", "audio", "meta")}
     ram = feed.cache.ram.capacity_bytes if feed.cache.ram is not None else 0
-    return {"ram_tier_bytes": ram, "segments_per_stream": config["prefetch_batches"] + 2 * 1 + 2,
-            "pool_buffer_bytes": pools, "pool_buffer_bytes_total": sum(pools.values())}
+    return {
+        "ram_tier_bytes": ram,
+        "segments_per_stream": config["prefetch_batches"] + 2 * 1 + 2,
+        "pool_buffer_bytes": pools,
+        "pool_buffer_bytes_total": sum(pools.values()),
+    }
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -158,8 +168,13 @@ def sample(pid: int, epoch: int, seconds: float, malloc_stats: Path | None = Non
     malloc: dict[str, float] = {}
     if malloc_stats is not None and malloc_stats.exists():
         info = json.loads(malloc_stats.read_text())
-        malloc = {"malloc_arena_mib": info["arena"] / _MIB, "malloc_used_mib": info["uordblks"] / _MIB,
-                  "malloc_free_mib": info["fordblks"] / _MIB, "malloc_mmap_mib": info["hblkhd"] / _MIB, "gc_full": info["gc_full"]}
+        malloc = {
+            "malloc_arena_mib": info["arena"] / _MIB,
+            "malloc_used_mib": info["uordblks"] / _MIB,
+            "malloc_free_mib": info["fordblks"] / _MIB,
+            "malloc_mmap_mib": info["hblkhd"] / _MIB,
+            "gc_full": info["gc_full"],
+        }
     process = psutil.Process(pid)
     children = 0
     for child in process.children(recursive=True):
@@ -171,13 +186,21 @@ def sample(pid: int, epoch: int, seconds: float, malloc_stats: Path | None = Non
     buffers = {m: int(b.get("buffer_bytes", 0)) for m, b in snapshot.get("modalities", {}).items()}
     ram = snapshot.get("cache", {}).get("ram") or {}
     return {
-        "epoch": epoch, "t_s": round(seconds, 1),
-        "rss_mib": status["VmRSS"] / _MIB, "anon_mib": status["RssAnon"] / _MIB,
-        "shmem_mib": status["RssShmem"] / _MIB, "file_mib": status["RssFile"] / _MIB,
-        "hwm_mib": status["VmHWM"] / _MIB, "threads": status["Threads"], "fds": process.num_fds(),
-        "children": len(process.children(recursive=True)), "children_rss_mib": children / _MIB,
-        "segment_mib": snapshot["service"]["segment_bytes"] / _MIB, "segments": snapshot["service"]["segments"],
-        "buffer_mib": sum(buffers.values()) / _MIB, "ram_used_mib": ram.get("bytes_used", 0) / _MIB,
+        "epoch": epoch,
+        "t_s": round(seconds, 1),
+        "rss_mib": status["VmRSS"] / _MIB,
+        "anon_mib": status["RssAnon"] / _MIB,
+        "shmem_mib": status["RssShmem"] / _MIB,
+        "file_mib": status["RssFile"] / _MIB,
+        "hwm_mib": status["VmHWM"] / _MIB,
+        "threads": status["Threads"],
+        "fds": process.num_fds(),
+        "children": len(process.children(recursive=True)),
+        "children_rss_mib": children / _MIB,
+        "segment_mib": snapshot["service"]["segment_bytes"] / _MIB,
+        "segments": snapshot["service"]["segments"],
+        "buffer_mib": sum(buffers.values()) / _MIB,
+        "ram_used_mib": ram.get("bytes_used", 0) / _MIB,
         **malloc,
     }
 
@@ -211,8 +234,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server.delay_s = args.latency_ms / 1000
     _SOCKET = str(folder / "feed.sock")
     ram_name = f"bench-mem-{os.getpid()}"
-    config = service_config(index, Path(_SOCKET), batch_size=args.batch_size, prefetch_batches=args.prefetch_batches,
-                            ram_mib=args.ram_mib, ram_name=ram_name)
+    config = service_config(
+        index,
+        Path(_SOCKET),
+        batch_size=args.batch_size,
+        prefetch_batches=args.prefetch_batches,
+        ram_mib=args.ram_mib,
+        ram_name=ram_name,
+    )
     config_path = folder / "service.yaml"
     config_path.write_text(yaml.safe_dump(config), encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -223,8 +252,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     stats_path = folder / "mallinfo.json" if args.malloc_stats or args.trim_every_s or args.gc_every_s else None
     command = [sys.executable, "-m", "omnifeed.tools", "serve", "--config", str(config_path)]
     if stats_path is not None:
-        command = [sys.executable, "-c", _WRAPPER, str(stats_path), str(args.trim_every_s), str(args.gc_every_s),
-                   "serve", "--config", str(config_path)]
+        command = [
+            sys.executable,
+            "-c",
+            _WRAPPER,
+            str(stats_path),
+            str(args.trim_every_s),
+            str(args.gc_every_s),
+            "serve",
+            "--config",
+            str(config_path),
+        ]
     service = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     samples: list[dict[str, Any]] = []
     started = time.monotonic()
@@ -240,8 +278,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(args.settle_s)
                 samples.append(sample(service.pid, epoch, time.monotonic() - started, stats_path))
                 if args.verbose:
-                    print(json.dumps({k: round(v, 1) if isinstance(v, float) else v
-                                      for k, v in samples[-1].items()}), file=sys.stderr, flush=True)
+                    print(
+                        json.dumps({k: round(v, 1) if isinstance(v, float) else v for k, v in samples[-1].items()}),
+                        file=sys.stderr,
+                        flush=True,
+                    )
     finally:
         if service.poll() is None:
             service.send_signal(signal.SIGTERM)
@@ -259,33 +300,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return summarize(args, config, samples, batches, time.monotonic() - started)
 
 
-def summarize(args: argparse.Namespace, config: dict[str, Any], samples: list[dict[str, Any]], batches: int,
-              seconds: float) -> dict[str, Any]:
+def summarize(
+    args: argparse.Namespace, config: dict[str, Any], samples: list[dict[str, Any]], batches: int, seconds: float
+) -> dict[str, Any]:
     epochs = [s for s in samples if s["epoch"] >= 0]
     base = next((s for s in epochs if s["epoch"] == args.baseline), epochs[0])
     last = epochs[-1]
     tail = [s for s in epochs if s["epoch"] >= base["epoch"]]
     growth = {}
     for key in ("rss_mib", "anon_mib", "shmem_mib", "file_mib", "children_rss_mib"):
-        growth[key] = {"from": round(base[key], 1), "to": round(last[key], 1),
-                       "diff": round(last[key] - base[key], 1),
-                       "max": round(max(s[key] for s in tail), 1),
-                       "per_epoch": round(slope([(s["epoch"], s[key]) for s in tail]), 2)}
+        growth[key] = {
+            "from": round(base[key], 1),
+            "to": round(last[key], 1),
+            "diff": round(last[key] - base[key], 1),
+            "max": round(max(s[key] for s in tail), 1),
+            "per_epoch": round(slope([(s["epoch"], s[key]) for s in tail]), 2),
+        }
     bounds = budgets(config)
     segment = max(s["segment_mib"] for s in epochs)
     return {
         "benchmark": "service_memory",
         "command": " ".join(["python", "benchmarks/bench_service_memory.py", *sys.argv[1:]]),
         "machine": {"cpus": os.cpu_count(), "load_avg": os.getloadavg()},
-        "config": {"samples": args.samples, "shards": args.shards, "batch_size": args.batch_size,
-                   "epochs": args.epochs, "origin": args.origin,
-                   "latency_ms": args.latency_ms, "prefetch_batches": args.prefetch_batches, "ram_mib": args.ram_mib,
-                   "env": args.env, "trim_every_s": args.trim_every_s, "gc_every_s": args.gc_every_s, "settle_s": args.settle_s},
+        "config": {
+            "samples": args.samples,
+            "shards": args.shards,
+            "batch_size": args.batch_size,
+            "epochs": args.epochs,
+            "origin": args.origin,
+            "latency_ms": args.latency_ms,
+            "prefetch_batches": args.prefetch_batches,
+            "ram_mib": args.ram_mib,
+            "env": args.env,
+            "trim_every_s": args.trim_every_s,
+            "gc_every_s": args.gc_every_s,
+            "settle_s": args.settle_s,
+        },
         "budgets": {**bounds, "segment_bytes_measured_max_mib": round(segment, 2)},
-        "batches": batches, "seconds": round(seconds, 1),
+        "batches": batches,
+        "seconds": round(seconds, 1),
         "baseline_epoch": base["epoch"],
         "growth": growth,
-        "fds": sorted({s["fds"] for s in epochs}), "threads": sorted({s["threads"] for s in epochs}),
+        "fds": sorted({s["fds"] for s in epochs}),
+        "threads": sorted({s["threads"] for s in epochs}),
         "overhead_anon_mib": round(last["anon_mib"] - last["buffer_mib"], 1),
         "samples": [{k: round(v, 2) if isinstance(v, float) else v for k, v in s.items()} for s in samples],
     }
@@ -298,18 +355,30 @@ def main() -> None:
     parser.add_argument("--shards", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--prefetch-batches", type=int, default=2)
-    parser.add_argument("--origin", choices=("local", "http"), default="http",
-                        help="read the shards from local disk, or over HTTP (the remote tier, as `omnifeed chaos`)")
+    parser.add_argument(
+        "--origin",
+        choices=("local", "http"),
+        default="http",
+        help="read the shards from local disk, or over HTTP (the remote tier, as `omnifeed chaos`)",
+    )
     parser.add_argument("--latency-ms", type=float, default=0.0, help="HTTP origin: delay of every request")
     parser.add_argument("--ram-mib", type=int, default=0, help="RAM cache tier capacity (0: no RAM tier)")
     parser.add_argument("--settle-s", type=float, default=1.0, help="pause after each epoch before sampling")
     parser.add_argument("--baseline", type=int, default=4, help="epoch the growth is measured from")
     parser.add_argument("--env", action="append", default=[], help="NAME=VALUE for the service's environment")
     parser.add_argument("--malloc-stats", action="store_true", help="diagnostics: sample glibc's mallinfo2()")
-    parser.add_argument("--trim-every-s", type=float, default=0.0,
-                        help="diagnostics: call malloc_trim(0) in the service every so many seconds (implies --malloc-stats)")
-    parser.add_argument("--gc-every-s", type=float, default=0.0,
-                        help="diagnostics: call gc.collect() in the service every so many seconds (implies --malloc-stats)")
+    parser.add_argument(
+        "--trim-every-s",
+        type=float,
+        default=0.0,
+        help="diagnostics: call malloc_trim(0) in the service every so many seconds (implies --malloc-stats)",
+    )
+    parser.add_argument(
+        "--gc-every-s",
+        type=float,
+        default=0.0,
+        help="diagnostics: call gc.collect() in the service every so many seconds (implies --malloc-stats)",
+    )
     parser.add_argument("--work", default=str(_HERE / "_work" / "service-memory"))
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")

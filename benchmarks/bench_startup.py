@@ -44,8 +44,19 @@ import yaml
 
 _HELP = "from omnifeed.tools._cli import main; main(['--help'])"
 _SERVE = "from omnifeed.tools._cli import main; raise SystemExit(main())"
-_PACKAGES = ("torch", "omnifeed.loader", "omnifeed.cache", "numpy", "pyarrow", "av", "PIL.Image", "pydantic", "fsspec",
-             "lmdb", "msgpack")  # cumulative import time where each is first imported (inside another's if nested)
+_PACKAGES = (
+    "torch",
+    "omnifeed.loader",
+    "omnifeed.cache",
+    "numpy",
+    "pyarrow",
+    "av",
+    "PIL.Image",
+    "pydantic",
+    "fsspec",
+    "lmdb",
+    "msgpack",
+)  # cumulative import time where each is first imported (inside another's if nested)
 
 
 def environment(checkout: str | None) -> dict[str, str]:
@@ -56,8 +67,7 @@ def environment(checkout: str | None) -> dict[str, str]:
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
-    return {"median_s": round(statistics.median(seconds), 3), "min_s": round(min(seconds), 3),
-            "runs": len(seconds)}
+    return {"median_s": round(statistics.median(seconds), 3), "min_s": round(min(seconds), 3), "runs": len(seconds)}
 
 
 def wall(args: list[str], env: dict[str, str]) -> float:
@@ -68,16 +78,24 @@ def wall(args: list[str], env: dict[str, str]) -> float:
 
 def imports(env: dict[str, str]) -> dict[str, Any]:
     """-X importtime of the CLI module: its cumulative time, torch's, and the slowest top-level packages."""
-    done = subprocess.run([sys.executable, "-X", "importtime", "-c", "import omnifeed.tools._cli"], env=env,
-                          capture_output=True, text=True, check=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import omnifeed.tools._cli"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
     cumulative: dict[str, int] = {}
     for line in done.stderr.splitlines():
         match = re.match(r"import time:\s+\d+ \|\s+(\d+) \| *(\S+)", line)
         if match:
             cumulative[match[2]] = int(match[1])
-    return {"cli_cumulative_s": round(cumulative.get("omnifeed.tools._cli", 0) / 1e6, 3),
-            "torch_imported": "torch" in cumulative,
-            "packages_s": {name: round(cumulative[name] / 1e6, 3) for name in _PACKAGES if name in cumulative}}
+    return {
+        "cli_cumulative_s": round(cumulative.get("omnifeed.tools._cli", 0) / 1e6, 3),
+        "torch_imported": "torch" in cumulative,
+        "packages_s": {name: round(cumulative[name] / 1e6, 3) for name in _PACKAGES if name in cumulative},
+    }
 
 
 def build_demo_index(work: Path) -> Path:
@@ -103,8 +121,12 @@ def request_metrics(address: str) -> bool:
 def serve_once(config: Path, address: str, env: dict[str, str]) -> dict[str, Any]:
     """One launch of `omnifeed serve`: seconds until it accepts a connection and until it answers."""
     started = time.perf_counter()
-    process = subprocess.Popen([sys.executable, "-c", _SERVE, "serve", "--config", str(config)], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-c", _SERVE, "serve", "--config", str(config)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     listening = answering = None
     try:
         while answering is None:
@@ -155,8 +177,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the JSON result here")
     args = parser.parse_args()
     env = environment(args.checkout)
-    result: dict[str, Any] = {"checkout": args.checkout or "this one", "cpus": os.cpu_count(),
-                              "load_before": os.getloadavg()[0]}
+    result: dict[str, Any] = {
+        "checkout": args.checkout or "this one",
+        "cpus": os.cpu_count(),
+        "load_before": os.getloadavg()[0],
+    }
     wall([sys.executable, "-c", _HELP], env)  # warm the page cache
     result["help"] = summary([wall([sys.executable, "-c", _HELP], env) for _ in range(args.runs)])
     if not args.checkout:
@@ -169,8 +194,10 @@ def main() -> None:
         address = str(work / "sock" / "feed.sock")
         (work / "sock").mkdir(mode=0o700)
         config = work / "service.yaml"
-        config.write_text(yaml.safe_dump({"index": str(index), "socket": address,
-                                          "feed": {"plan": {"seed": 0, "batch_size": 4}}}), encoding="utf-8")
+        config.write_text(
+            yaml.safe_dump({"index": str(index), "socket": address, "feed": {"plan": {"seed": 0, "batch_size": 4}}}),
+            encoding="utf-8",
+        )
         serve_once(config, address, env)  # warm
         runs = [serve_once(config, address, env) for _ in range(args.runs)]
     result["serve_listening"] = summary([r["listening"] for r in runs])

@@ -84,9 +84,16 @@ class _Weights:
 class _Filler:
     """Greedy filling under (budget, max size); emits closed micro-batches."""
 
-    def __init__(self, budget: float, max_size: int | None, weights: _Weights, streams: int,
-                 overlong: Literal["reject", "alone"]) -> None:
-        self.budget, self.max_size, self.weights, self.streams, self.overlong = budget, max_size, weights, streams, overlong
+    def __init__(
+        self, budget: float, max_size: int | None, weights: _Weights, streams: int, overlong: Literal["reject", "alone"]
+    ) -> None:
+        self.budget, self.max_size, self.weights, self.streams, self.overlong = (
+            budget,
+            max_size,
+            weights,
+            streams,
+            overlong,
+        )
         self.done: list[tuple[list[int], float]] = []
         self.open = _Batch(streams)
 
@@ -137,8 +144,14 @@ def _padded(sizes: np.ndarray, longest: np.ndarray, weights: _Weights) -> np.nda
     return sizes * ((longest + weights.quadratic * longest * longest) @ np.asarray(weights.weights, dtype=np.float64))
 
 
-def _absorb_light(done: list[tuple[list[int], float]], rows: list[list[float]], present: np.ndarray, weights: _Weights,
-                  budget: float, max_size: int | None) -> list[tuple[list[int], float]]:
+def _absorb_light(
+    done: list[tuple[list[int], float]],
+    rows: list[list[float]],
+    present: np.ndarray,
+    weights: _Weights,
+    budget: float,
+    max_size: int | None,
+) -> list[tuple[list[int], float]]:
     """Spread each light micro-batch's samples over micro-batches of their own modality mix that have room.
 
     A sample goes where it leaves the fullest micro-batch within budget; a light micro-batch is
@@ -178,8 +191,9 @@ def _absorb_light(done: list[tuple[list[int], float]], rows: list[list[float]], 
     return [(members[i], float(costs[i])) for i in np.flatnonzero(alive).tolist()]
 
 
-def _merge_light(done: list[tuple[list[int], float]], rows: list[list[float]], weights: _Weights, budget: float,
-                 max_size: int | None) -> list[tuple[list[int], float]]:
+def _merge_light(
+    done: list[tuple[list[int], float]], rows: list[list[float]], weights: _Weights, budget: float, max_size: int | None
+) -> list[tuple[list[int], float]]:
     """Merge light micro-batches (leftovers of rare modality mixes) pairwise while the merged one fits the budget.
 
     Lightest first, each into the light partner that leaves the fullest micro-batch: a step that
@@ -190,7 +204,9 @@ def _merge_light(done: list[tuple[list[int], float]], rows: list[list[float]], w
     if len(light) < 2:
         return done
     sizes = np.array([len(done[i][0]) for i in light], dtype=np.float64)
-    longest = np.array([np.max([rows[m] for m in done[i][0]], axis=0) for i in light], dtype=np.float64).reshape(len(light), -1)
+    longest = np.array([np.max([rows[m] for m in done[i][0]], axis=0) for i in light], dtype=np.float64).reshape(
+        len(light), -1
+    )
     costs = np.array([done[i][1] for i in light])
     alive = np.ones(len(light), dtype=bool)
     members = {i: list(done[i][0]) for i in light}

@@ -14,7 +14,9 @@ class BucketingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    mode: Literal["budget", "packing"] = Field(default="budget", description="Fill micro-batches to a cost budget, or pack sequences.")
+    mode: Literal["budget", "packing"] = Field(
+        default="budget", description="Fill micro-batches to a cost budget, or pack sequences."
+    )
     budget: float = Field(gt=0, description="Cost units per micro-batch ('budget'); tokens per pack ('packing').")
     cost: CostModel = Field(default_factory=CostModel, description="Stream lengths and weights.")
     num_buckets: int = Field(default=8, ge=1, description="Buckets per bucketing stream (estimated edges).")
@@ -32,20 +34,29 @@ class BucketingConfig(BaseModel):
         "budget, reported; budget mode), 'split' (cut into capacity-sized segments; packing mode).",
     )
     pack_stream: str = Field(default="text", description="The sequence stream packed in 'packing' mode.")
-    lookahead: int = Field(default=256, ge=0, description="Samples a window may borrow from the next to fill its last micro-batch.")
+    lookahead: int = Field(
+        default=256, ge=0, description="Samples a window may borrow from the next to fill its last micro-batch."
+    )
     tier_width: float | None = Field(
-        default=0.02, gt=0, le=1,
+        default=0.02,
+        gt=0,
+        le=1,
         description="Deal a window's micro-batches in cost tiers this wide (a ratio; shuffled within a tier), so "
         "that any W consecutive ones cost about the same; null: shuffle the whole window.",
     )
     carry: int = Field(
-        default=256, ge=0,
+        default=256,
+        ge=0,
         description="Budget mode: a window's light micro-batches (under 0.75 of the budget) go to the next window, "
         "at most this many samples (their ids are in the cursor state); the epoch's last window keeps its own. "
         "0: never carry.",
     )
-    min_budget: float | None = Field(default=None, gt=0, description="Lower bound for memory feedback (default budget / 4).")
-    max_budget: float | None = Field(default=None, gt=0, description="Upper bound for memory feedback (default budget).")
+    min_budget: float | None = Field(
+        default=None, gt=0, description="Lower bound for memory feedback (default budget / 4)."
+    )
+    max_budget: float | None = Field(
+        default=None, gt=0, description="Upper bound for memory feedback (default budget)."
+    )
     target_headroom: float = Field(default=0.1, ge=0, lt=1, description="Memory headroom fraction feedback steers to.")
 
     @model_validator(mode="after")

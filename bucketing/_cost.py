@@ -21,8 +21,14 @@ from pydantic import BaseModel, ConfigDict, Field
 STREAMS: tuple[str, ...] = ("text", "image", "video", "audio")
 # index length columns each stream is computed from
 INDEX_COLUMNS: tuple[str, ...] = (
-    "text_tokens", "image_width", "image_height", "video_frames", "video_fps", "video_width",
-    "video_height", "audio_seconds",
+    "text_tokens",
+    "image_width",
+    "image_height",
+    "video_frames",
+    "video_fps",
+    "video_width",
+    "video_height",
+    "audio_seconds",
 )
 
 
@@ -45,7 +51,9 @@ class CostModel(BaseModel):
     weights: dict[str, float] = Field(
         default_factory=lambda: dict.fromkeys(STREAMS, 1.0), description="Cost per stream unit, by stream."
     )
-    quadratic: float = Field(default=0.0, ge=0, description="Attention term: cost += quadratic × length² per sample slot.")
+    quadratic: float = Field(
+        default=0.0, ge=0, description="Attention term: cost += quadratic × length² per sample slot."
+    )
 
     def weight(self, stream: str) -> float:
         """Weight of ``stream`` (0 for a stream the model does not weigh)."""

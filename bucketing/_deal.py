@@ -35,7 +35,9 @@ def cost_tiers(costs: np.ndarray, budget: float, tolerance: float) -> np.ndarray
     return np.where(np.isfinite(ratio), floor, lowest)
 
 
-def even_order(costs: np.ndarray, budget: float, tolerance: float, shuffle: np.ndarray, *, descending: bool) -> np.ndarray:
+def even_order(
+    costs: np.ndarray, budget: float, tolerance: float, shuffle: np.ndarray, *, descending: bool
+) -> np.ndarray:
     """Indices of ``costs`` grouped by cost tier (costliest tier first if ``descending``), by ``shuffle`` within a tier.
 
     ``shuffle`` is a random rank per micro-batch (a permutation of ``range(len(costs))``, say);

@@ -23,7 +23,6 @@ import numpy as np
 from ._buckets import estimate_boundaries
 from ._cost import CostModel, sample_costs
 
-
 _BATCHES_PER_CELL = 16
 _MIX_BITS = 20  # a bucket id is (mix mask << _MIX_BITS) + the cell of its secondaries
 

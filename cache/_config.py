@@ -15,7 +15,8 @@ class RamTierConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(
-        default="default", pattern=f"^{RAM_TIER_NAME}$",
+        default="default",
+        pattern=f"^{RAM_TIER_NAME}$",
         description="Segment name; processes that use the same name on a node share one tier.",
     )
     capacity_bytes: int = Field(default=1024 * 2**20, ge=64 * 1024, description="Bytes of entries held, at most.")
@@ -32,7 +33,8 @@ class NvmeTierConfig(BaseModel):
     path: str = Field(description="Local directory of the LMDB environment (created if missing).")
     capacity_bytes: int = Field(default=64 * 2**30, ge=2**20, description="Bytes of entries held, at most.")
     max_map_bytes: int | None = Field(
-        default=None, ge=2**20,
+        default=None,
+        ge=2**20,
         description="Largest LMDB map the tier may grow to (default: 4x capacity). When the map cannot grow "
         "further, the tier stops caching with one warning.",
     )
@@ -43,7 +45,9 @@ class RemoteTierConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    timeout_s: float | None = Field(default=60.0, gt=0, description="One read attempt slower than this fails and is retried.")
+    timeout_s: float | None = Field(
+        default=60.0, gt=0, description="One read attempt slower than this fails and is retried."
+    )
     retries: int = Field(default=3, ge=0, description="Retries of a read that failed with a transient error.")
     backoff_s: float = Field(default=0.05, ge=0, description="First retry delay, seconds; doubles each retry.")
     latency_window: int = Field(default=256, ge=8, description="Reads in the sliding latency window.")
@@ -52,7 +56,10 @@ class RemoteTierConfig(BaseModel):
         default=0.5, gt=0, description="Storage is flagged degraded while the windowed percentile is above this."
     )
     recover_fraction: float = Field(
-        default=0.5, gt=0, lt=1, description="Degraded clears when the percentile falls below this fraction of the threshold."
+        default=0.5,
+        gt=0,
+        lt=1,
+        description="Degraded clears when the percentile falls below this fraction of the threshold.",
     )
     io_threads: int = Field(default=16, ge=1, description="Reads in flight at once (read-ahead of the feed).")
     degraded_read_ahead: int = Field(

@@ -82,9 +82,11 @@ def _refuse_foreign(path: Path, info: os.stat_result, closed: int) -> None:
     """CacheError unless ``info`` (of ``path``) belongs to this user with none of the ``closed`` permission bits."""
     mode = stat.S_IMODE(info.st_mode)
     if info.st_uid != os.getuid() or mode & closed:
-        raise CacheError(f"{path} belongs to {_owner(info.st_uid)} with mode {mode:o}: another user could read or "
-                         "rewrite the cached samples; remove it, or point cache.nvme.path at a directory of your own "
-                         "(created 0700 when absent)")
+        raise CacheError(
+            f"{path} belongs to {_owner(info.st_uid)} with mode {mode:o}: another user could read or "
+            "rewrite the cached samples; remove it, or point cache.nvme.path at a directory of your own "
+            "(created 0700 when absent)"
+        )
 
 
 def _refuse_swappable(root: Path) -> None:
@@ -101,9 +103,11 @@ def _refuse_swappable(root: Path) -> None:
         owner = os.lstat(child).st_uid
         open_to_writers = info.st_uid not in (0, os.getuid()) or (mode & 0o022 and not mode & stat.S_ISVTX)
         if open_to_writers or (mode & 0o022 and owner not in (0, os.getuid())):
-            raise CacheError(f"{parent} (of {_owner(info.st_uid)}, mode {mode:o}) lets another user replace {child} "
-                             f"and so the cache in {root}; point cache.nvme.path at a directory under folders "
-                             "only you (or root) can write, or under a sticky one like /tmp")
+            raise CacheError(
+                f"{parent} (of {_owner(info.st_uid)}, mode {mode:o}) lets another user replace {child} "
+                f"and so the cache in {root}; point cache.nvme.path at a directory under folders "
+                "only you (or root) can write, or under a sticky one like /tmp"
+            )
         child = parent
 
 
@@ -152,8 +156,10 @@ def _cache_secret(root: Path) -> tuple[bytes, bool]:
         finally:
             os.close(fd)
         if len(secret) != _SECRET_BYTES:
-            raise CacheError(f"{path} is not a cache secret of {_SECRET_BYTES} bytes; remove it (the cached entries "
-                             "are then read again from the source)")
+            raise CacheError(
+                f"{path} is not a cache secret of {_SECRET_BYTES} bytes; remove it (the cached entries "
+                "are then read again from the source)"
+            )
         return secret, False
 
 
@@ -171,8 +177,9 @@ def _make_secret(path: Path) -> bytes | None:
             fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=folder)
         except (OSError, AttributeError):  # no O_TMPFILE on this system or file system
             draft = f"{_DRAFT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-            fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                         dir_fd=folder)
+            fd = os.open(
+                draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder
+            )
         try:
             os.write(fd, secret)
             os.fsync(fd)
@@ -256,8 +263,19 @@ class NvmeTier:
         self._gate = _Gate()
         self._write_lock = threading.Lock()
         self.degraded: str | None = None
-        self._stats = {"hits": 0, "misses": 0, "bytes_hit": 0, "puts": 0, "bytes_put": 0, "rejected": 0,
-                       "evicted": 0, "reinserted": 0, "too_large": 0, "corrupt": 0, "map_grown": 0}
+        self._stats = {
+            "hits": 0,
+            "misses": 0,
+            "bytes_hit": 0,
+            "puts": 0,
+            "bytes_put": 0,
+            "rejected": 0,
+            "evicted": 0,
+            "reinserted": 0,
+            "too_large": 0,
+            "corrupt": 0,
+            "map_grown": 0,
+        }
         self._stats_lock = threading.Lock()
         self._root = self.path
         self._secret = b""
@@ -294,8 +312,12 @@ class NvmeTier:
                 txn.drop(db, delete=False)
             txn.put(b"totals", struct.pack("<QQQ", 0, 0, 0), db=self._info)
         if count:
-            log.warning("NVMe tier %s had no secret for its checksums: made one, and dropped its %d entries (they are "
-                        "read again from the source)", self.path, count)
+            log.warning(
+                "NVMe tier %s had no secret for its checksums: made one, and dropped its %d entries (they are "
+                "read again from the source)",
+                self.path,
+                count,
+            )
 
     def _environment(self) -> lmdb.Environment:
         # One environment per process and path: LMDB must not open the same file twice in a process.
@@ -308,8 +330,17 @@ class NvmeTier:
             env, users = _ENVIRONMENTS.get(key, (None, 0))
             if env is None:
                 initial = min(self.max_map, max(2 * self.capacity, 64 * 2**20))
-                env = lmdb.open(str(self._root), map_size=initial, max_dbs=len(_SUB_DATABASES), max_readers=1024, readahead=False,
-                                meminit=False, sync=False, metasync=False, mode=0o600)
+                env = lmdb.open(
+                    str(self._root),
+                    map_size=initial,
+                    max_dbs=len(_SUB_DATABASES),
+                    max_readers=1024,
+                    readahead=False,
+                    meminit=False,
+                    sync=False,
+                    metasync=False,
+                    mode=0o600,
+                )
             _ENVIRONMENTS[key] = (env, users + 1)
             return env
 
@@ -333,7 +364,9 @@ class NvmeTier:
             if found >= 1024 and found & (found - 1) == 0:
                 width = found
             else:
-                raise OSError(f"{path} is not a frequency sketch of this version; remove it (the cache stays valid)") from None
+                raise OSError(
+                    f"{path} is not a frequency sketch of this version; remove it (the cache stays valid)"
+                ) from None
         size = _SKETCH_HEADER + FrequencySketch.nbytes(width)
         mapping = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
         self._sketch_ops = mapping[:8].view("<u8")
@@ -371,11 +404,18 @@ class NvmeTier:
         self._setup(state["config"])
         self._open()  # another process: a tier refused there runs as pass-through, with a warning
 
-    def _degrade(self, why: str, fix: str = "free space on that disk or raise nvme.max_map_bytes, then restart") -> None:
+    def _degrade(
+        self, why: str, fix: str = "free space on that disk or raise nvme.max_map_bytes, then restart"
+    ) -> None:
         if self.degraded is None:
             self.degraded = why
-            log.warning("NVMe tier %s stops caching and passes reads through: %s. To cache again: %s; entries "
-                        "already cached are still served.", self.path, why, fix)
+            log.warning(
+                "NVMe tier %s stops caching and passes reads through: %s. To cache again: %s; entries "
+                "already cached are still served.",
+                self.path,
+                why,
+                fix,
+            )
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._stats_lock:
@@ -426,8 +466,11 @@ class NvmeTier:
             self._degrade(f"a read failed: {exc}")
             return None
         if not intact:
-            log.warning("NVMe tier %s: entry %s failed its checksum; dropped and read again from the source",
-                        self.path, key.hex())
+            log.warning(
+                "NVMe tier %s: entry %s failed its checksum; dropped and read again from the source",
+                self.path,
+                key.hex(),
+            )
             self._count("corrupt")
             self._drop(key)
             return None
@@ -533,8 +576,9 @@ class NvmeTier:
                 victims.append((bytes(seq_bytes), bytes(key)))
                 if len(victims) == SCAN_LIMIT:
                     break
-        chosen = next((i for i, (_, key) in enumerate(victims)
-                       if not keeps_victim(self._sketch.estimate(key), newcomer)), None)
+        chosen = next(
+            (i for i, (_, key) in enumerate(victims) if not keeps_victim(self._sketch.estimate(key), newcomer)), None
+        )
         if chosen is None:
             return None
         last = txn.cursor(db=self._queue)

@@ -35,9 +35,28 @@ import numpy as np
 
 from ._config import RAM_TIER_NAME, RamTierConfig
 from ._errors import CacheError
-from ._ram_layout import (_H_CAPACITY, _H_DIRTY, _H_ENTRIES, _H_HEAD, _H_MAGIC, _H_READY, _H_RESETS,
-                          _H_SKETCH_OPS, _H_SLOTS, _H_TAIL, _H_USED, _H_USED_AT, _H_VERSION, _H_WIDTH, _HEADER_BYTES,
-                          _MAGIC, _VERSION, SEGMENT_PREFIX, _segment_name, _segment_path)
+from ._ram_layout import (
+    _H_CAPACITY,
+    _H_DIRTY,
+    _H_ENTRIES,
+    _H_HEAD,
+    _H_MAGIC,
+    _H_READY,
+    _H_RESETS,
+    _H_SKETCH_OPS,
+    _H_SLOTS,
+    _H_TAIL,
+    _H_USED,
+    _H_USED_AT,
+    _H_VERSION,
+    _H_WIDTH,
+    _HEADER_BYTES,
+    _MAGIC,
+    _VERSION,
+    SEGMENT_PREFIX,
+    _segment_name,
+    _segment_path,
+)
 from ._ram_segments import RamSegment, find_segment, list_segments
 from ._sketch import SCAN_LIMIT, FrequencySketch, keeps_victim
 
@@ -45,7 +64,9 @@ log = logging.getLogger(__name__)
 
 _ENTRY_HEADER = 24
 _WRAP = 0xFFFFFFFF
-_SLOT = np.dtype([("k0", "<u8"), ("k1", "<u8"), ("offset", "<u8"), ("length", "<u4"), ("used", "u1"), ("_pad", "u1", 3)])
+_SLOT = np.dtype(
+    [("k0", "<u8"), ("k1", "<u8"), ("offset", "<u8"), ("length", "<u4"), ("used", "u1"), ("_pad", "u1", 3)]
+)
 _AVERAGE_ENTRY = 4096  # sizing assumption for the slot table and the sketch
 
 
@@ -73,9 +94,11 @@ def _attach(path: Path, size: int) -> tuple[mmap.mmap, bool]:
             os.close(fd)
             path.unlink(missing_ok=True)
             free = shutil.disk_usage(path.parent).free
-            raise CacheError(f"cannot reserve {size} bytes of shared memory for the RAM tier in {path.parent} "
-                             f"({free} free: {exc.strerror}): lower cache.ram.capacity_bytes or give the node more "
-                             "shared memory (e.g. docker --shm-size)") from exc
+            raise CacheError(
+                f"cannot reserve {size} bytes of shared memory for the RAM tier in {path.parent} "
+                f"({free} free: {exc.strerror}): lower cache.ram.capacity_bytes or give the node more "
+                "shared memory (e.g. docker --shm-size)"
+            ) from exc
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size), created
     finally:
@@ -91,12 +114,16 @@ def _open_private(path: Path, flags: int, mode: int = 0o600) -> int:
     info = os.fstat(fd)
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
         os.close(fd)
-        raise CacheError(f"{path} belongs to uid {info.st_uid} with mode {info.st_mode & 0o777:o}: another user could "
-                         "read or write this cache; remove it, or name the RAM tier differently (cache.ram.name)")
+        raise CacheError(
+            f"{path} belongs to uid {info.st_uid} with mode {info.st_mode & 0o777:o}: another user could "
+            "read or write this cache; remove it, or name the RAM tier differently (cache.ram.name)"
+        )
     if info.st_nlink != 1:  # a hard link another user planted at the name: the tier would overwrite that file
         os.close(fd)
-        raise CacheError(f"{path} has {info.st_nlink} hard links: it may be another file of yours linked there; "
-                         "remove it, or name the RAM tier differently (cache.ram.name)")
+        raise CacheError(
+            f"{path} has {info.st_nlink} hard links: it may be another file of yours linked there; "
+            "remove it, or name the RAM tier differently (cache.ram.name)"
+        )
     return fd
 
 
@@ -118,27 +145,53 @@ class RamTier:
         self._pid = -1
         self._open_lock()
         with self._locked(check_dirty=False):
-            self._segment, created = _attach(self.path, _HEADER_BYTES + slots * _SLOT.itemsize + FrequencySketch.nbytes(width) + arena)
+            self._segment, created = _attach(
+                self.path, _HEADER_BYTES + slots * _SLOT.itemsize + FrequencySketch.nbytes(width) + arena
+            )
             self._header = np.frombuffer(self._segment, dtype="<u8", count=_HEADER_BYTES // 8)
             if created or self._header[_H_READY] != 1:
                 self._initialise(arena, slots, width)
             elif int(self._header[_H_MAGIC]) != _MAGIC or int(self._header[_H_VERSION]) != _VERSION:
                 self._header = None  # type: ignore[assignment]
                 self._segment.close()
-                raise CacheError(f"shared-memory segment {self.path} is not an omnifeed RAM tier of this version: "
-                                 "remove it (or pick another ram.name)")
+                raise CacheError(
+                    f"shared-memory segment {self.path} is not an omnifeed RAM tier of this version: "
+                    "remove it (or pick another ram.name)"
+                )
             elif int(self._header[_H_CAPACITY]) != arena:
-                log.warning("RAM tier %s exists with %d bytes of capacity, not the %d configured: using it as it is "
-                            "(remove %s to resize it)", self.name, int(self._header[_H_CAPACITY]), arena, self.path)
+                log.warning(
+                    "RAM tier %s exists with %d bytes of capacity, not the %d configured: using it as it is "
+                    "(remove %s to resize it)",
+                    self.name,
+                    int(self._header[_H_CAPACITY]),
+                    arena,
+                    self.path,
+                )
             self._map()
             self._header[_H_USED_AT] = int(time.time())
         self.capacity = int(self._header[_H_CAPACITY])
-        log.info("RAM tier: %s shared-memory segment %s (%d bytes, %d entries); it outlives this process on purpose, "
-                 "remove it with `omnifeed cache remove %s`", "created" if created else "attached to", self.path,
-                 self.capacity, int(self._header[_H_ENTRIES]), config.name)
+        log.info(
+            "RAM tier: %s shared-memory segment %s (%d bytes, %d entries); it outlives this process on purpose, "
+            "remove it with `omnifeed cache remove %s`",
+            "created" if created else "attached to",
+            self.path,
+            self.capacity,
+            int(self._header[_H_ENTRIES]),
+            config.name,
+        )
         self._max_entry = int(self.capacity * config.max_entry_fraction)
-        self._stats = {"hits": 0, "misses": 0, "bytes_hit": 0, "puts": 0, "bytes_put": 0, "rejected": 0,
-                       "evicted": 0, "reinserted": 0, "too_large": 0, "discarded": 0}
+        self._stats = {
+            "hits": 0,
+            "misses": 0,
+            "bytes_hit": 0,
+            "puts": 0,
+            "bytes_put": 0,
+            "rejected": 0,
+            "evicted": 0,
+            "reinserted": 0,
+            "too_large": 0,
+            "discarded": 0,
+        }
         self._finalizer = weakref.finalize(self, RamTier._release, self._segment, self._lock_fd)
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -152,8 +205,12 @@ class RamTier:
         header[:] = 0
         header[_H_MAGIC], header[_H_VERSION], header[_H_CAPACITY] = _MAGIC, _VERSION, arena
         header[_H_SLOTS], header[_H_WIDTH] = slots, width
-        body = np.frombuffer(self._segment, dtype=np.uint8, offset=_HEADER_BYTES,
-                             count=slots * _SLOT.itemsize + FrequencySketch.nbytes(width))
+        body = np.frombuffer(
+            self._segment,
+            dtype=np.uint8,
+            offset=_HEADER_BYTES,
+            count=slots * _SLOT.itemsize + FrequencySketch.nbytes(width),
+        )
         body[:] = 0
         header[_H_READY] = 1
 
@@ -166,7 +223,7 @@ class RamTier:
         counters = np.frombuffer(buf, dtype=np.uint8, offset=sketch_at, count=FrequencySketch.nbytes(width))
         self._sketch = FrequencySketch(counters, width, sample_size=10 * max(1024, arena // _AVERAGE_ENTRY))
         arena_at = sketch_at + FrequencySketch.nbytes(width)
-        self._arena = memoryview(buf)[arena_at:arena_at + arena]
+        self._arena = memoryview(buf)[arena_at : arena_at + arena]
         self._max_entries = slots // 2
 
     def close(self) -> None:
@@ -295,7 +352,7 @@ class RamTier:
                 self._stats["misses"] += 1
                 return None
             offset, length = int(self._slots[i]["offset"]), int(self._slots[i]["length"])
-            data = bytes(self._arena[offset + _ENTRY_HEADER:offset + _ENTRY_HEADER + length])
+            data = bytes(self._arena[offset + _ENTRY_HEADER : offset + _ENTRY_HEADER + length])
             self._stats["hits"] += 1
             self._stats["bytes_hit"] += length
         return data
@@ -347,8 +404,13 @@ class RamTier:
     def stats(self) -> dict[str, Any]:
         """This process's hits/misses/bytes, and the tier's occupancy (node-wide)."""
         header = self._header
-        return {**self._stats, "entries": int(header[_H_ENTRIES]), "bytes_used": int(header[_H_USED]),
-                "capacity_bytes": self.capacity, "resets": int(header[_H_RESETS])}
+        return {
+            **self._stats,
+            "entries": int(header[_H_ENTRIES]),
+            "bytes_used": int(header[_H_USED]),
+            "capacity_bytes": self.capacity,
+            "resets": int(header[_H_RESETS]),
+        }
 
     def clear(self) -> None:
         """Drop every entry."""
@@ -415,7 +477,7 @@ class RamTier:
 
     def _entry_at(self, at: int) -> tuple[bytes, int]:
         fields = self._entry_header(at)
-        return bytes(self._arena[at:at + 16]), int(fields[4])
+        return bytes(self._arena[at : at + 16]), int(fields[4])
 
     def _live(self, key: bytes, at: int) -> int:
         """The slot of the entry at ``at``, or -1 when it was discarded (its key gone, or held anew elsewhere)."""
@@ -454,7 +516,7 @@ class RamTier:
         """Second chance: move the head entry to the tail (room is there: popping it freed as much)."""
         key, at = self._pop_head()
         length = int(self._entry_header(at)[4])
-        data = bytes(self._arena[at + _ENTRY_HEADER:at + _ENTRY_HEADER + length])
+        data = bytes(self._arena[at + _ENTRY_HEADER : at + _ENTRY_HEADER + length])
         to = self._contiguous_at_tail(_align(_ENTRY_HEADER + length))
         assert to >= 0, "a requeued entry always fits where it was freed"
         self._write(to, *_split(key), data)
@@ -465,7 +527,7 @@ class RamTier:
         size = _align(_ENTRY_HEADER + len(value))
         np.frombuffer(self._arena, dtype="<u8", count=2, offset=at)[:] = (k0, k1)
         self._entry_header(at)[4] = len(value)
-        self._arena[at + _ENTRY_HEADER:at + _ENTRY_HEADER + len(value)] = value
+        self._arena[at + _ENTRY_HEADER : at + _ENTRY_HEADER + len(value)] = value
         where = self._find(k0, k1)
         slot = self._slots[-where - 1]
         slot["k0"], slot["k1"], slot["offset"], slot["length"], slot["used"] = k0, k1, at, len(value), 1

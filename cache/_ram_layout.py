@@ -19,8 +19,22 @@ _VERSION = 1
 _HEADER_BYTES = 4096
 
 # header fields (uint64 indices)
-(_H_MAGIC, _H_VERSION, _H_CAPACITY, _H_SLOTS, _H_WIDTH, _H_HEAD, _H_TAIL, _H_USED, _H_ENTRIES,
- _H_SKETCH_OPS, _H_DIRTY, _H_RESETS, _H_READY, _H_USED_AT) = range(14)  # _H_USED_AT: unix seconds of the last get/put
+(
+    _H_MAGIC,
+    _H_VERSION,
+    _H_CAPACITY,
+    _H_SLOTS,
+    _H_WIDTH,
+    _H_HEAD,
+    _H_TAIL,
+    _H_USED,
+    _H_ENTRIES,
+    _H_SKETCH_OPS,
+    _H_DIRTY,
+    _H_RESETS,
+    _H_READY,
+    _H_USED_AT,
+) = range(14)  # _H_USED_AT: unix seconds of the last get/put
 _H_FIELDS = _H_USED_AT + 1
 
 SEGMENT_PREFIX = "omnifeed-ram-"

@@ -15,8 +15,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from ._ram_layout import (_H_CAPACITY, _H_ENTRIES, _H_FIELDS, _H_MAGIC, _H_READY, _H_USED, _H_USED_AT, _H_VERSION,
-                          _MAGIC, _VERSION, SEGMENT_PREFIX, _segment_name, _segment_path)
+from ._ram_layout import (
+    _H_CAPACITY,
+    _H_ENTRIES,
+    _H_FIELDS,
+    _H_MAGIC,
+    _H_READY,
+    _H_USED,
+    _H_USED_AT,
+    _H_VERSION,
+    _MAGIC,
+    _VERSION,
+    SEGMENT_PREFIX,
+    _segment_name,
+    _segment_path,
+)
 
 SegmentState = Literal["ready", "other version", "uninitialised", "unreadable", "lock file only"]
 
@@ -82,8 +95,17 @@ def find_segment(name: str) -> RamSegment | None:
         state = "ready" if header[_H_VERSION] == _VERSION and header[_H_READY] == 1 else "other version"
     if state != "ready":
         return RamSegment(name, path, info.st_uid, info.st_size, None, None, None, info.st_mtime, state)
-    return RamSegment(name, path, info.st_uid, info.st_size, header[_H_CAPACITY], header[_H_ENTRIES],
-                      header[_H_USED], max(float(header[_H_USED_AT]), info.st_mtime), state)
+    return RamSegment(
+        name,
+        path,
+        info.st_uid,
+        info.st_size,
+        header[_H_CAPACITY],
+        header[_H_ENTRIES],
+        header[_H_USED],
+        max(float(header[_H_USED_AT]), info.st_mtime),
+        state,
+    )
 
 
 def _lock_only(name: str, path: Path, lock: Path) -> RamSegment | None:

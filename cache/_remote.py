@@ -20,8 +20,17 @@ from ._config import RemoteTierConfig
 log = logging.getLogger(__name__)
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (ConnectionError, TimeoutError)
-_TRANSIENT_ERRNOS = {errno.EIO, errno.EAGAIN, errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED,
-                     errno.EPIPE, errno.EHOSTUNREACH, errno.ENETUNREACH}
+_TRANSIENT_ERRNOS = {
+    errno.EIO,
+    errno.EAGAIN,
+    errno.ETIMEDOUT,
+    errno.ECONNRESET,
+    errno.ECONNREFUSED,
+    errno.ECONNABORTED,
+    errno.EPIPE,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+}
 _TRANSIENT_STATUS = {408, 429, 500, 502, 503, 504}
 
 
@@ -79,20 +88,33 @@ class LatencyMonitor:
             threshold = self.config.degraded_latency_s
             if not self.degraded and level > threshold:
                 self.degraded, self.changes = True, self.changes + 1
-                log.warning("remote storage degraded: p%d read latency %.3f s is over %.3f s (last %d reads); "
-                            "reading further ahead", round(100 * self.config.latency_percentile), level, threshold,
-                            len(self._window))
+                log.warning(
+                    "remote storage degraded: p%d read latency %.3f s is over %.3f s (last %d reads); "
+                    "reading further ahead",
+                    round(100 * self.config.latency_percentile),
+                    level,
+                    threshold,
+                    len(self._window),
+                )
             elif self.degraded and level < threshold * self.config.recover_fraction:
                 self.degraded, self.changes = False, self.changes + 1
-                log.warning("remote storage recovered: p%d read latency %.3f s", round(100 * self.config.latency_percentile), level)
+                log.warning(
+                    "remote storage recovered: p%d read latency %.3f s",
+                    round(100 * self.config.latency_percentile),
+                    level,
+                )
 
     def snapshot(self) -> dict[str, Any]:
         """Percentiles of the window and the flag."""
         with self._lock:
             window = np.fromiter(self._window, float)
         p50, p95, p99 = np.quantile(window, [0.5, 0.95, 0.99]) if window.size else (0.0, 0.0, 0.0)
-        return {"degraded": self.degraded, "degraded_changes": self.changes,
-                "latency_s": {"p50": float(p50), "p95": float(p95), "p99": float(p99)}, "window": int(window.size)}
+        return {
+            "degraded": self.degraded,
+            "degraded_changes": self.changes,
+            "latency_s": {"p50": float(p50), "p95": float(p95), "p99": float(p99)},
+            "window": int(window.size),
+        }
 
 
 class RemoteTier:
@@ -107,9 +129,11 @@ class RemoteTier:
 
     def read_range(self, url: str, offset: int, length: int) -> bytes:
         """``length`` bytes of ``url`` from ``offset``."""
+
         def reader() -> bytes:
             fs, path = fsspec.core.url_to_fs(url)
             return bytes(fs.cat_file(path, start=offset, end=offset + length))
+
         return self.read(url, reader)
 
     def read(self, url: str, reader: Callable[[], bytes]) -> bytes:

@@ -32,18 +32,28 @@ from omnifeed.trainer_adapter import FeedClient
 # batch's images all have one size (no padding).
 DEFAULT_FEED = {
     "plan": {"seed": 0, "batch_size": 32},
-    "transforms": {"image": [{"random_resized_crop": {"size": 32, "scale": [0.5, 1.0]}},
-                             {"horizontal_flip": {"p": 0.5}}]},
+    "transforms": {
+        "image": [{"random_resized_crop": {"size": 32, "scale": [0.5, 1.0]}}, {"horizontal_flip": {"p": 0.5}}]
+    },
 }
 
 
 def tiny_cnn(num_classes: int) -> nn.Module:
     """Three conv blocks and a linear head; global pooling makes it work at any image size."""
+
     def block(cin: int, cout: int) -> list[nn.Module]:
         return [nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU()]
 
-    return nn.Sequential(*block(3, 16), nn.MaxPool2d(2), *block(16, 32), nn.MaxPool2d(2), *block(32, 64),
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, num_classes))
+    return nn.Sequential(
+        *block(3, 16),
+        nn.MaxPool2d(2),
+        *block(16, 32),
+        nn.MaxPool2d(2),
+        *block(32, 64),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, num_classes),
+    )
 
 
 def open_client(args: argparse.Namespace) -> FeedClient:
@@ -60,8 +70,9 @@ def inputs_and_labels(batch: dict[str, Any], label_field: str, num_classes: int)
     labels = batch["meta"][label_field]  # an int64 tensor [n] when every sample of the batch has a label
     if not isinstance(labels, torch.Tensor):
         # a list means some sample lacks the label (None) or has a non-integer one: no fill value is guessed
-        raise SystemExit(f"batch {batch['__key__']} has labels {labels!r}: every sample needs an integer "
-                         f"{label_field!r}")
+        raise SystemExit(
+            f"batch {batch['__key__']} has labels {labels!r}: every sample needs an integer {label_field!r}"
+        )
     y = labels[images["index"]]
     if int(y.min()) < 0 or int(y.max()) >= num_classes:
         raise SystemExit(f"labels {y.tolist()} are outside 0..{num_classes - 1}: pass --num-classes")
@@ -70,8 +81,9 @@ def inputs_and_labels(batch: dict[str, Any], label_field: str, num_classes: int)
     return x, y
 
 
-def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, client: FeedClient,
-                    step: int) -> None:
+def save_checkpoint(
+    path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, client: FeedClient, step: int
+) -> None:
     """Model, optimizer, data position and step in one file, written atomically.
 
     Written to a temporary file, flushed to disk, then renamed over the old one: a crash at any
@@ -81,8 +93,15 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as f:
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "data": client.state_dict(), "step": step}, f)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "data": client.state_dict(),
+                "step": step,
+            },
+            f,
+        )
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -117,9 +136,21 @@ def train(args: argparse.Namespace) -> None:
             step += 1
             if log is not None:  # what the batch was, to compare runs: keys and the augmented pixels' digest
                 pixels = hashlib.sha256(batch["image"]["pixels"].numpy().tobytes()).hexdigest()
-                log.write(json.dumps({"step": step, "epoch": batch["__info__"]["epoch"], "keys": batch["__key__"],
-                                      "labels": y.tolist(), "label_dtype": str(y.dtype), "pixels": pixels,
-                                      "shape": list(batch["image"]["pixels"].shape), "loss": loss.item()}) + "\n")
+                log.write(
+                    json.dumps(
+                        {
+                            "step": step,
+                            "epoch": batch["__info__"]["epoch"],
+                            "keys": batch["__key__"],
+                            "labels": y.tolist(),
+                            "label_dtype": str(y.dtype),
+                            "pixels": pixels,
+                            "shape": list(batch["image"]["pixels"].shape),
+                            "loss": loss.item(),
+                        }
+                    )
+                    + "\n"
+                )
             if step % args.print_every == 0:
                 print(f"step {step} epoch {batch['__info__']['epoch']} loss {loss.item():.4f}", flush=True)
             del batch  # through a service, the batch's shared memory goes back when its tensors are dropped
@@ -135,10 +166,17 @@ def train(args: argparse.Namespace) -> None:
 def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--index", type=Path, help="index directory (`omnifeed index DATA --out INDEX`): feed in-process")
-    source.add_argument("--socket", nargs="?", const="", metavar="PATH",
-                        help="read from a running `omnifeed serve` (it has the index and feed config); "
-                             "no PATH: the service's default socket")
+    source.add_argument(
+        "--index", type=Path, help="index directory (`omnifeed index DATA --out INDEX`): feed in-process"
+    )
+    source.add_argument(
+        "--socket",
+        nargs="?",
+        const="",
+        metavar="PATH",
+        help="read from a running `omnifeed serve` (it has the index and feed config); "
+        "no PATH: the service's default socket",
+    )
     parser.add_argument("--config", type=Path, help="feed YAML (plan, decode, transforms, pools) for --index")
     parser.add_argument("--label-field", default="label", help="meta field holding the class (default: label)")
     parser.add_argument("--num-classes", type=int, default=10)
@@ -149,7 +187,9 @@ def arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--checkpoint", type=Path, help="resume from this file if it exists; write it as training goes")
     parser.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (and one at the end)")
     parser.add_argument("--print-every", type=int, default=10)
-    parser.add_argument("--log-batches", type=Path, help="append one JSON line per step: keys, labels, pixel digest, loss")
+    parser.add_argument(
+        "--log-batches", type=Path, help="append one JSON line per step: keys, labels, pixel digest, loss"
+    )
     args = parser.parse_args(argv)
     if args.config is not None and args.socket is not None:
         parser.error("--config is the in-process feed's; a service has its own (omnifeed serve --config)")

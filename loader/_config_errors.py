@@ -95,7 +95,7 @@ def _explain(error: Any, model: type[BaseModel] | None, loc: tuple[str, ...], su
 
 def _shown(value: Any) -> str:
     text = repr(value)
-    return text if len(text) <= _SHOWN_VALUE else text[:_SHOWN_VALUE - 3] + "..."
+    return text if len(text) <= _SHOWN_VALUE else text[: _SHOWN_VALUE - 3] + "..."
 
 
 def _bounds(info: FieldInfo | None) -> dict[str, Any]:
@@ -166,7 +166,9 @@ def _position(source: str | Path, keys: Sequence[str]) -> tuple[int, int] | None
     for key in keys:
         if not isinstance(node, yaml.MappingNode):
             break
-        match = next((pair for pair in node.value if isinstance(pair[0], yaml.ScalarNode) and pair[0].value == key), None)
+        match = next(
+            (pair for pair in node.value if isinstance(pair[0], yaml.ScalarNode) and pair[0].value == key), None
+        )
         if match is None:
             break
         mark, node = match[0].start_mark, match[1]

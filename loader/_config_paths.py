@@ -11,7 +11,10 @@ FEED_PATHS: tuple[tuple[str, ...], ...] = (("cache", "nvme", "path"),)
 """The path-valued settings of a feed config (key paths into its YAML mapping)."""
 
 SERVICE_PATHS: tuple[tuple[str, ...], ...] = (
-    ("index",), ("audit_log",), ("socket",), *(("feed", *p) for p in FEED_PATHS),
+    ("index",),
+    ("audit_log",),
+    ("socket",),
+    *(("feed", *p) for p in FEED_PATHS),
 )
 """The path-valued settings of a service config."""
 

@@ -72,8 +72,12 @@ class _Zygote:
         if "PYTHONHASHSEED" not in environment:  # (one the user set is kept)
             environment.update(PYTHONHASHSEED=str(hash_seed), OMNIFEED_TEST_POP_HASHSEED="1")
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _ZYGOTE, str(requests_read), str(replies_write)], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, env=environment, pass_fds=(requests_read, replies_write))
+            [sys.executable, "-c", _ZYGOTE, str(requests_read), str(replies_write)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            env=environment,
+            pass_fds=(requests_read, replies_write),
+        )
         os.close(requests_read)
         os.close(replies_write)
         self._buffer = b""
@@ -134,8 +138,9 @@ class CliRunner:
         if stdin is not None:
             inp.write_text(stdin, encoding="utf-8")
         code = zygote.run(list(args), str(inp) if stdin is not None else None, str(out), str(err), timeout)
-        return subprocess.CompletedProcess(["omnifeed", *args], code, out.read_text(encoding="utf-8"),
-                                           err.read_text(encoding="utf-8"))
+        return subprocess.CompletedProcess(
+            ["omnifeed", *args], code, out.read_text(encoding="utf-8"), err.read_text(encoding="utf-8")
+        )
 
     def close(self) -> None:
         for zygote in self._zygotes:

@@ -14,9 +14,9 @@ from typing import Any
 import yaml
 
 from omnifeed.loader import FeedConfig, PlanConfig
-from omnifeed.loader.service._server import FeedService
 from omnifeed.loader.service._config import ServiceConfig
 from omnifeed.loader.service._protocol import wait_until_serving
+from omnifeed.loader.service._server import FeedService
 
 _SERVE = "from omnifeed.tools._cli import main; raise SystemExit(main())"
 
@@ -26,11 +26,22 @@ def short_socket_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="of-sock-", dir="/tmp"))
 
 
-def write_config(folder: Path, index: Path, *, socket: Path, audit_log: Path | None = None,
-                 feed: dict[str, Any] | None = None, **extra: Any) -> Path:
+def write_config(
+    folder: Path,
+    index: Path,
+    *,
+    socket: Path,
+    audit_log: Path | None = None,
+    feed: dict[str, Any] | None = None,
+    **extra: Any,
+) -> Path:
     """A service YAML config for ``index`` (``feed`` default: plan seed 3, batch size 4, as the feed tests use)."""
-    config: dict[str, Any] = {"index": str(index), "socket": str(socket),
-                              "feed": feed or {"plan": {"seed": 3, "batch_size": 4}}, **extra}
+    config: dict[str, Any] = {
+        "index": str(index),
+        "socket": str(socket),
+        "feed": feed or {"plan": {"seed": 3, "batch_size": 4}},
+        **extra,
+    }
     if audit_log is not None:
         config["audit_log"] = str(audit_log)
     path = folder / "service.yaml"
@@ -50,8 +61,12 @@ class ServiceProcess:
 
     def start(self, timeout: float = 60.0) -> ServiceProcess:
         """Start and wait until the service answers a metrics request."""
-        self.process = subprocess.Popen([sys.executable, "-c", _SERVE, "serve", "--config", str(self.config)],
-                                        stdout=self._log, stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _SERVE, "serve", "--config", str(self.config)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         wait_until_serving(str(self.socket), self.process, timeout, detail=self.output)
         return self
 
@@ -87,8 +102,12 @@ class ServiceProcess:
 
 def start_service(index_dir: Path, socket: Path, audit: Path) -> FeedService:
     """The feed service in this process (what `omnifeed serve` runs), plan seed 3, batch size 4, auditing to ``audit``."""
-    config = ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
-                           socket=str(socket), audit_log=str(audit))
+    config = ServiceConfig(
+        index=str(index_dir),
+        feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+        socket=str(socket),
+        audit_log=str(audit),
+    )
     service = FeedService(config)
     service.start()
     return service

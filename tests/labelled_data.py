@@ -28,9 +28,13 @@ def write_labelled_tar(path: Path, count: int = 12, *, missing_label: int | None
     ``missing_label`` has no ``.cls``."""
     with tarfile.open(path, "w") as tar:
         for i in range(count):
-            fields = {"png": png(i, 40 + i, 30 + (i % 5)), "cls": f"{i % 3}\n".encode(),
-                      "json": json.dumps({"id": i, "tags": ["a", "b"][: i % 3], "w": 0.5}).encode(),
-                      "seg": bytes([i, 255]), "txt": f"caption {i}".encode()}
+            fields = {
+                "png": png(i, 40 + i, 30 + (i % 5)),
+                "cls": f"{i % 3}\n".encode(),
+                "json": json.dumps({"id": i, "tags": ["a", "b"][: i % 3], "w": 0.5}).encode(),
+                "seg": bytes([i, 255]),
+                "txt": f"caption {i}".encode(),
+            }
             if i == missing_label:
                 del fields["cls"]
             for name, data in fields.items():
@@ -43,15 +47,17 @@ def write_labelled_tar(path: Path, count: int = 12, *, missing_label: int | None
 def write_labelled_parquet(path: Path, count: int = 10) -> Path:
     """Columns ``__key__``, ``png`` (binary), ``label`` (int64), ``caption`` (string), ``score`` (float64),
     ``tags`` (list of strings), ``raw`` (binary, unknown type)."""
-    table = pa.table({
-        "__key__": [f"row-{i:02d}" for i in range(count)],
-        "png": pa.array([png(100 + i) for i in range(count)], pa.binary()),
-        "label": pa.array([i % 4 for i in range(count)], pa.int64()),
-        "caption": [f"a picture {i}" for i in range(count)],
-        "score": [i / 2 for i in range(count)],
-        "tags": [["x"] * (i % 3) for i in range(count)],
-        "raw": pa.array([bytes([i]) for i in range(count)], pa.binary()),
-    })
+    table = pa.table(
+        {
+            "__key__": [f"row-{i:02d}" for i in range(count)],
+            "png": pa.array([png(100 + i) for i in range(count)], pa.binary()),
+            "label": pa.array([i % 4 for i in range(count)], pa.int64()),
+            "caption": [f"a picture {i}" for i in range(count)],
+            "score": [i / 2 for i in range(count)],
+            "tags": [["x"] * (i % 3) for i in range(count)],
+            "raw": pa.array([bytes([i]) for i in range(count)], pa.binary()),
+        }
+    )
     pq.write_table(table, path, row_group_size=4)
     return path
 

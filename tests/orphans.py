@@ -10,8 +10,9 @@ from pathlib import Path
 import psutil
 
 
-def kill_parent_and_reap(tmp_path: Path, script: str,
-                         while_up: Callable[[psutil.Process, list[psutil.Process]], None]) -> int:
+def kill_parent_and_reap(
+    tmp_path: Path, script: str, while_up: Callable[[psutil.Process, list[psutil.Process]], None]
+) -> int:
     """Run ``script`` until it prints "ready", call ``while_up(parent, its descendants)``, kill -9 it.
 
     Asserts that every descendant exits within 20 s of the kill (those that do not are killed, then reported);

@@ -15,8 +15,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"loader": "omnifeed.loader", "cache": "omnifeed.cache", "bucketing": "omnifeed.bucketing",
-            "trainer_adapter": "omnifeed.trainer_adapter", "tools": "omnifeed.tools"}
+PACKAGES = {
+    "loader": "omnifeed.loader",
+    "cache": "omnifeed.cache",
+    "bucketing": "omnifeed.bucketing",
+    "trainer_adapter": "omnifeed.trainer_adapter",
+    "tools": "omnifeed.tools",
+}
 # The stages inside omnifeed.loader, bottom to top; a stage imports its own rank or lower, never higher.
 LOADER_RANKS = {"": 0, "index": 1, "decode": 2, "plan": 3, "feed": 4, "service": 5, "dataloader": 5}
 
@@ -91,23 +96,32 @@ def test_no_module_is_part_of_an_import_circle() -> None:
 @pytest.mark.parametrize("folder", ["trainer_adapter", "tools", "cache", "bucketing", "loader"])
 def test_across_top_level_packages_only_public_names_are_imported(folder: str) -> None:
     own = PACKAGES[folder]
-    private = [f"{imp.module}:{imp.line} imports {imp.target} {', '.join(imp.names)}" for imp in IMPORTS
-               if imp.module.startswith(own) and not imp.target.startswith(own)
-               and (any(part.startswith("_") for part in imp.target.split("."))
-                    or any(n.startswith("_") for n in imp.names))]
+    private = [
+        f"{imp.module}:{imp.line} imports {imp.target} {', '.join(imp.names)}"
+        for imp in IMPORTS
+        if imp.module.startswith(own)
+        and not imp.target.startswith(own)
+        and (any(part.startswith("_") for part in imp.target.split(".")) or any(n.startswith("_") for n in imp.names))
+    ]
     assert not private, "private names imported across packages:\n" + "\n".join(private)
 
 
 def test_the_engine_never_imports_the_trainer_adapter_or_the_command_line() -> None:
     engine = ("omnifeed.loader", "omnifeed.cache", "omnifeed.bucketing")
-    wrong = [f"{imp.module}:{imp.line} imports {imp.target}" for imp in IMPORTS if imp.module.startswith(engine)
-             and imp.target.startswith(("omnifeed.trainer_adapter", "omnifeed.tools"))]
+    wrong = [
+        f"{imp.module}:{imp.line} imports {imp.target}"
+        for imp in IMPORTS
+        if imp.module.startswith(engine) and imp.target.startswith(("omnifeed.trainer_adapter", "omnifeed.tools"))
+    ]
     assert not wrong, "\n".join(wrong)
 
 
 def test_cache_tiers_and_bucketing_know_nothing_of_the_loader() -> None:
-    wrong = [f"{imp.module}:{imp.line} imports {imp.target}" for imp in IMPORTS
-             if imp.module.startswith(("omnifeed.cache", "omnifeed.bucketing")) and imp.target.startswith("omnifeed.loader")]
+    wrong = [
+        f"{imp.module}:{imp.line} imports {imp.target}"
+        for imp in IMPORTS
+        if imp.module.startswith(("omnifeed.cache", "omnifeed.bucketing")) and imp.target.startswith("omnifeed.loader")
+    ]
     assert not wrong, "\n".join(wrong)
 
 
@@ -131,8 +145,14 @@ def test_loader_stages_import_downwards_only() -> None:
 @pytest.mark.parametrize("package", [p for p, path in MODULES.items() if path.name == "__init__.py"])
 def test_each_package_exports_a_sorted_all(package: str) -> None:
     tree = ast.parse(MODULES[package].read_text(encoding="utf-8"))
-    names = next((ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
-                  and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)), None)
+    names = next(
+        (
+            ast.literal_eval(node.value)
+            for node in tree.body
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+        ),
+        None,
+    )
     if package == "omnifeed.tools":  # the command line: its surface is `omnifeed`, not Python names
         return
     assert names is not None, f"{package} has no __all__"
@@ -140,8 +160,11 @@ def test_each_package_exports_a_sorted_all(package: str) -> None:
 
 
 def test_no_loader_module_is_over_the_size_guide() -> None:
-    over = {m: n for m, p in MODULES.items() if m.startswith("omnifeed.loader")
-            and (n := len(p.read_text(encoding="utf-8").splitlines())) > 450}
+    over = {
+        m: n
+        for m, p in MODULES.items()
+        if m.startswith("omnifeed.loader") and (n := len(p.read_text(encoding="utf-8").splitlines())) > 450
+    }
     assert not over, f"split these (one concern per module, ~350 lines): {over}"
 
 

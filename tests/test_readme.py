@@ -21,13 +21,13 @@ import yaml
 from omnifeed.tools._demo_data import DemoDatasetSpec, write_webdataset
 
 README = Path(__file__).resolve().parents[1] / "README.md"
-_PRELUDE = '''\
+_PRELUDE = """\
 import torch
 rank = 0                                        # what a training script has: its rank, a checkpoint, an optimizer
 checkpoint = {}
 dataset = [torch.full((3,), float(i)) for i in range(96)]
 optimizer = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
-'''
+"""
 _FEED_YAML = {"plan": {"seed": 0, "batch_size": 8}}
 
 
@@ -49,7 +49,8 @@ def test_every_readme_snippet_runs_as_written(tmp_path: Path) -> None:
     (work / "feed.yaml").write_text(yaml.safe_dump(_FEED_YAML), encoding="utf-8")
     ram = f"readme-{os.getpid()}"  # the cache example's RAM tier, under a name no one else uses
     script = _PRELUDE + "\n".join(readme_snippets()).replace("/nvme/omnifeed", str(tmp_path / "nvme")).replace(
-        'name="job"', f'name="{ram}"')
+        'name="job"', f'name="{ram}"'
+    )
     (work / "readme.py").write_text(script, encoding="utf-8")
     env = {**os.environ, "TMPDIR": str(private), "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
     service = None
@@ -58,12 +59,19 @@ def test_every_readme_snippet_runs_as_written(tmp_path: Path) -> None:
         (work / "build.py").write_text(_PRELUDE + readme_snippets()[0], encoding="utf-8")
         subprocess.run([sys.executable, "build.py"], cwd=work, env=env, check=True, timeout=300)
         (work / "service.yaml").write_text(yaml.safe_dump({"index": "index", "feed": _FEED_YAML}), encoding="utf-8")
-        service = subprocess.Popen([sys.executable, "-m", "omnifeed.tools", "serve", "--config", "service.yaml"],
-                                   cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        service = subprocess.Popen(
+            [sys.executable, "-m", "omnifeed.tools", "serve", "--config", "service.yaml"],
+            cwd=work,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         assert service.stdout is not None
         assert "serving" in service.stdout.readline()
-        ran = subprocess.run([sys.executable, "readme.py"], cwd=work, env=env, capture_output=True, text=True,
-                             timeout=500)
+        ran = subprocess.run(
+            [sys.executable, "readme.py"], cwd=work, env=env, capture_output=True, text=True, timeout=500
+        )
         assert ran.returncode == 0, ran.stderr[-3000:]
     finally:
         if service is not None:

@@ -27,7 +27,8 @@ import psutil
 
 from omnifeed.loader import IndexConfig, build_index
 
-from ._bench_loaders import IMAGE_ONLY, LOADERS, PIPELINES, REQUIRES, RunSpec, SampleDecoder, decode_config, folder_samples
+from ._bench_loaders import IMAGE_ONLY, PIPELINES, REQUIRES, RunSpec, SampleDecoder, decode_config, folder_samples
+from ._bench_names import LOADERS
 from ._bench_node import run_node
 from ._demo_data import DemoDatasetSpec, encode_image, write_folder, write_webdataset
 
@@ -91,8 +92,13 @@ def write_images(out: Path, count: int, shards: int = 4) -> list[Path]:
         with open(path, "wb") as stream, webdataset.TarWriter(stream, encoder=False, mtime=0) as sink:
             for i in range(shard, count, shards):
                 width, height = (640, 480) if i % 3 else (500, 375)
-                sink.write({"__key__": f"img-{i:06d}", "jpg": encode_image(width, height, "jpg", seed=i),
-                            "cls": str(i % 1000).encode()})
+                sink.write(
+                    {
+                        "__key__": f"img-{i:06d}",
+                        "jpg": encode_image(width, height, "jpg", seed=i),
+                        "cls": str(i % 1000).encode(),
+                    }
+                )
         paths.append(path)
     return paths
 
@@ -146,8 +152,9 @@ def prepare_datasets(config: BenchConfig) -> dict[str, Dataset]:
             shards = write_webdataset(root / "shards", spec)
             write_folder(root / "files", spec)
         index = build_index([str(p) for p in shards], root / "index", IndexConfig(workers=1), progress=False)
-        datasets[pipeline] = Dataset(pipeline, [str(p) for p in shards], str(root / "files"), str(index.path),
-                                     index.num_samples)
+        datasets[pipeline] = Dataset(
+            pipeline, [str(p) for p in shards], str(root / "files"), str(index.path), index.num_samples
+        )
     return datasets
 
 
@@ -160,7 +167,11 @@ def decode_limit(dataset: Dataset, workers: int, seconds: float = 3.0) -> dict[s
     items = folder_samples(dataset.folder)
     loaded = [(Path(k).name, {n: p.read_bytes() for n, p in files.items()}) for k, files in items[:256]]
     rate = _one_core_rate(loaded, SampleDecoder(decode_config(dataset.pipeline)), seconds)
-    limit = {"one_core_samples_per_s": round(rate, 1), "workers": workers, "limit_samples_per_s": round(rate * workers, 1)}
+    limit = {
+        "one_core_samples_per_s": round(rate, 1),
+        "workers": workers,
+        "limit_samples_per_s": round(rate * workers, 1),
+    }
     if dataset.pipeline == "image":
         draft = _one_core_rate(loaded, SampleDecoder(decode_config("image", draft=True)), seconds)
         limit["draft_limit_samples_per_s"] = round(draft * workers, 1)
@@ -228,9 +239,14 @@ def installed(loader: str, python: str) -> str | None:
 
 
 def _child(python: str, spec: RunSpec, prepare: bool, timeout: float) -> tuple[dict[str, Any], int]:
-    args = [python, "-m", "omnifeed.tools._bench_loaders"] + (["--prepare"] if prepare else []) + [json.dumps(asdict(spec))]
-    child = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    args = (
+        [python, "-m", "omnifeed.tools._bench_loaders"]
+        + (["--prepare"] if prepare else [])
+        + [json.dumps(asdict(spec))]
+    )
+    child = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     memory = _TreeMemory(child.pid)
     try:
         out, err = child.communicate(timeout=timeout)
@@ -266,9 +282,21 @@ def run_all(config: BenchConfig, datasets: dict[str, Dataset], log: Any = None) 
         dataset = datasets[pipeline]
         work = config.work / "runs" / f"{loader}-{pipeline}"
         work.mkdir(parents=True, exist_ok=True)
-        converted = str(config.work / "converted" / f"{loader}-{pipeline}") if loader in ("streaming", "litdata") else ""
-        specs[(loader, pipeline)] = RunSpec(loader, pipeline, config.workers, config.batch_size, dataset.shards,
-                                            dataset.folder, dataset.index, str(work), converted, dataset.samples)
+        converted = (
+            str(config.work / "converted" / f"{loader}-{pipeline}") if loader in ("streaming", "litdata") else ""
+        )
+        specs[(loader, pipeline)] = RunSpec(
+            loader,
+            pipeline,
+            config.workers,
+            config.batch_size,
+            dataset.shards,
+            dataset.folder,
+            dataset.index,
+            str(work),
+            converted,
+            dataset.samples,
+        )
         if converted and not Path(converted).exists():
             try:
                 _child(config.python, specs[(loader, pipeline)], True, config.timeout_s)
@@ -298,7 +326,9 @@ def _summarize(row: Row) -> Row:
     rates = [r["steady_samples"] / max(r["steady_s"], 1e-9) for r in row.rounds]
     row.samples = row.rounds[0]["samples"]
     row.samples_per_s = round(statistics.median(rates), 1)
-    row.cpu_s_per_sample = round(statistics.median(r["steady_cpu_s"] / max(r["steady_samples"], 1) for r in row.rounds), 5)
+    row.cpu_s_per_sample = round(
+        statistics.median(r["steady_cpu_s"] / max(r["steady_samples"], 1) for r in row.rounds), 5
+    )
     row.first_batch_s = round(statistics.median(r["first_batch_s"] for r in row.rounds), 3)
     row.peak_pss_mib = round(max(r["peak_pss_mib"] for r in row.rounds), 1)
     return row
@@ -329,14 +359,29 @@ def run_bench(config: BenchConfig, log: Any = None) -> dict[str, Any]:
         image = datasets["image"]
         work = config.work / "runs" / "node"
         work.mkdir(parents=True, exist_ok=True)
-        spec = RunSpec("omnifeed-service", "image", config.workers, config.batch_size, image.shards, image.folder,
-                       image.index, str(work), "", image.samples)
+        spec = RunSpec(
+            "omnifeed-service",
+            "image",
+            config.workers,
+            config.batch_size,
+            image.shards,
+            image.folder,
+            image.index,
+            str(work),
+            "",
+            image.samples,
+        )
         node = run_node(spec, config.node_ranks, config.rounds, config.python, log)
     return {
         "machine": {"cpus": os.cpu_count(), "python": config.python},
-        "settings": {"images": config.images, "mixed": config.mixed, "workers": config.workers,
-                     "batch_size": config.batch_size, "rounds": config.rounds,
-                     "data": str(config.data) if config.data else "generated"},
+        "settings": {
+            "images": config.images,
+            "mixed": config.mixed,
+            "workers": config.workers,
+            "batch_size": config.batch_size,
+            "rounds": config.rounds,
+            "data": str(config.data) if config.data else "generated",
+        },
         "decode_limit": limits,
         "rows": [{k: v for k, v in asdict(r).items() if k != "rounds"} | {"rounds": len(r.rounds)} for r in rows],
         "node": node,
@@ -358,10 +403,17 @@ def bench_command(config: BenchConfig, resume_samples: int = 10_000_000, resume_
     print(render_table(report), flush=True)
     if resume_samples > 0:
         log(f"resume cost at {resume_samples:,} samples (the first run writes the index and the MDS dataset)")
-        report["resume"] = run_resume_bench(resume_work or config.work / "resume", samples=resume_samples,
-                                            batch_size=config.batch_size, python=config.python)
+        report["resume"] = run_resume_bench(
+            resume_work or config.work / "resume",
+            samples=resume_samples,
+            batch_size=config.batch_size,
+            python=config.python,
+        )
         print(render_resume(report["resume"]), flush=True)
     (config.work / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
     plot = write_plot(report, config.work / "bench.png")
-    print(f"\nreport: {config.work / 'report.json'}" + (f"; plot: {plot}" if plot else "; no plot (matplotlib is not installed)"))
+    print(
+        f"\nreport: {config.work / 'report.json'}"
+        + (f"; plot: {plot}" if plot else "; no plot (matplotlib is not installed)")
+    )
     return 0 if any(r["status"] == "ok" for r in report["rows"]) else 1

@@ -34,12 +34,10 @@ from omnifeed.loader import (
     PlanConfig,
     PoolConfig,
 )
-from omnifeed.loader.feed import Decoded, collate
 from omnifeed.loader.decode import make_decoder
+from omnifeed.loader.feed import Decoded, collate
 
 PIPELINES = ("image", "mixed")
-LOADERS = ("omnifeed", "omnifeed-draft", "omnifeed-processes", "omnifeed-service", "dataloader", "webloader", "statefuldataloader",
-           "streaming", "litdata", "dali")
 IMAGE_ONLY = frozenset({"omnifeed-draft", "omnifeed-processes", "dali"})
 
 
@@ -124,9 +122,15 @@ class FolderDataset:
 def _dataloader(spec: RunSpec, cls: Any) -> Iterable[dict[str, Any]]:
     import torch
 
-    return cls(FolderDataset(spec.folder, spec.pipeline), batch_size=spec.batch_size, shuffle=True,  # type: ignore[arg-type]
-               num_workers=spec.workers, collate_fn=collate_samples, generator=torch.Generator().manual_seed(0),
-               persistent_workers=False)
+    return cls(
+        FolderDataset(spec.folder, spec.pipeline),
+        batch_size=spec.batch_size,
+        shuffle=True,  # type: ignore[arg-type]
+        num_workers=spec.workers,
+        collate_fn=collate_samples,
+        generator=torch.Generator().manual_seed(0),
+        persistent_workers=False,
+    )
 
 
 def run_dataloader(spec: RunSpec) -> Iterable[dict[str, Any]]:
@@ -154,8 +158,12 @@ def run_webloader(spec: RunSpec) -> Iterable[dict[str, Any]]:
         fields = {k: v for k, v in sample.items() if not k.startswith("__")}
         return sample["__key__"], decode(fields, sample["__key__"])
 
-    dataset = (wds.WebDataset(spec.shards, shardshuffle=len(spec.shards), empty_check=False)
-               .shuffle(1000).map(decoded).batched(spec.batch_size, collation_fn=collate_samples, partial=True))
+    dataset = (
+        wds.WebDataset(spec.shards, shardshuffle=len(spec.shards), empty_check=False)
+        .shuffle(1000)
+        .map(decoded)
+        .batched(spec.batch_size, collation_fn=collate_samples, partial=True)
+    )
     return wds.WebLoader(dataset, batch_size=None, num_workers=spec.workers)
 
 
@@ -177,8 +185,14 @@ def prepare(spec: RunSpec) -> None:
     elif spec.loader == "litdata":
         import litdata
 
-        litdata.optimize(fn=_litdata_sample, inputs=[[key, {n: str(p) for n, p in paths.items()}] for key, paths in items],
-                         output_dir=str(out), chunk_bytes="64MB", num_workers=1, mode="overwrite")
+        litdata.optimize(
+            fn=_litdata_sample,
+            inputs=[[key, {n: str(p) for n, p in paths.items()}] for key, paths in items],
+            output_dir=str(out),
+            chunk_bytes="64MB",
+            num_workers=1,
+            mode="overwrite",
+        )
 
 
 def _litdata_sample(item: list[Any]) -> dict[str, Any]:
@@ -200,8 +214,9 @@ def run_streaming(spec: RunSpec) -> Iterable[dict[str, Any]]:
             return row["key"], decode(msgpack.unpackb(row["fields"]), row["key"])
 
     dataset = Decoding(local=spec.converted, shuffle=True, shuffle_seed=0, batch_size=spec.batch_size)
-    return torch.utils.data.DataLoader(dataset, batch_size=spec.batch_size, num_workers=spec.workers,
-                                       collate_fn=collate_samples)
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=spec.batch_size, num_workers=spec.workers, collate_fn=collate_samples
+    )
 
 
 def run_litdata(spec: RunSpec) -> Iterable[dict[str, Any]]:
@@ -217,8 +232,9 @@ def run_litdata(spec: RunSpec) -> Iterable[dict[str, Any]]:
             return row["key"], decode(msgpack.unpackb(row["fields"]), row["key"])
 
     dataset = Decoding(spec.converted, shuffle=True, seed=0)
-    return litdata.StreamingDataLoader(dataset, batch_size=spec.batch_size, num_workers=spec.workers,
-                                       collate_fn=collate_samples)
+    return litdata.StreamingDataLoader(
+        dataset, batch_size=spec.batch_size, num_workers=spec.workers, collate_fn=collate_samples
+    )
 
 
 # -- DALI's CPU pipeline (images) ----------------------------------------------------------
@@ -238,8 +254,9 @@ def run_dali(spec: RunSpec) -> Iterable[dict[str, Any]]:
 
     pipe = images()
     pipe.build()
-    return DALIGenericIterator([pipe], ["pixels", "label"], reader_name="reader",
-                               last_batch_policy=LastBatchPolicy.PARTIAL)
+    return DALIGenericIterator(
+        [pipe], ["pixels", "label"], reader_name="reader", last_batch_policy=LastBatchPolicy.PARTIAL
+    )
 
 
 # -- omnifeed ------------------------------------------------------------------------------
@@ -250,15 +267,22 @@ def feed_config(spec: RunSpec, draft: bool = False, processes: bool = False) -> 
     threads per process hand them the tasks).
     """
     if spec.pipeline == "image":
-        image = (PoolConfig(workers=2 * spec.workers, processes=spec.workers, buffer_samples=4 * spec.batch_size)
-                 if processes else PoolConfig(workers=spec.workers, buffer_samples=4 * spec.batch_size))
+        image = (
+            PoolConfig(workers=2 * spec.workers, processes=spec.workers, buffer_samples=4 * spec.batch_size)
+            if processes
+            else PoolConfig(workers=spec.workers, buffer_samples=4 * spec.batch_size)
+        )
         pools = {"image": image, "text": PoolConfig(workers=0), "meta": PoolConfig(workers=0)}
         shared = 0
     else:
         pools = {m: PoolConfig(workers=0) for m in FIELD_MODALITIES}
         shared = spec.workers
-    return FeedConfig(plan=PlanConfig(seed=0, batch_size=spec.batch_size), decode=decode_config(spec.pipeline, draft),
-                      pools=pools, shared_workers=shared)
+    return FeedConfig(
+        plan=PlanConfig(seed=0, batch_size=spec.batch_size),
+        decode=decode_config(spec.pipeline, draft),
+        pools=pools,
+        shared_workers=shared,
+    )
 
 
 def run_omnifeed(spec: RunSpec, draft: bool = False, processes: bool = False) -> Iterable[dict[str, Any]]:
@@ -266,8 +290,9 @@ def run_omnifeed(spec: RunSpec, draft: bool = False, processes: bool = False) ->
     from omnifeed.loader.service import ServiceConfig
     from omnifeed.trainer_adapter import FeedClient
 
-    config = ServiceConfig(index=spec.index, feed=feed_config(spec, draft, processes),
-                           socket=str(Path(spec.work) / "unused.sock"))
+    config = ServiceConfig(
+        index=spec.index, feed=feed_config(spec, draft, processes), socket=str(Path(spec.work) / "unused.sock")
+    )
     return _epoch(FeedClient.in_process(config))
 
 
@@ -283,12 +308,21 @@ def start_service(spec: RunSpec, work: Path, python: str = sys.executable) -> tu
     socket, config = work / "feed.sock", work / "service.yaml"
     if len(os.fsencode(socket)) > MAX_SOCKET_PATH:  # a deep --out: the socket goes to a short private folder
         socket = Path(tempfile.mkdtemp(prefix="omnifeed-bench-")) / "feed.sock"
-    config.write_text(yaml.safe_dump({"index": spec.index, "socket": str(socket),
-                                      "feed": feed_config(spec).model_dump(mode="json")}), encoding="utf-8")
-    service = subprocess.Popen([python, "-m", "omnifeed.tools", "serve", "--config", str(config)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    wait_until_serving(str(socket), service, 120.0,
-                       detail=lambda: service.stderr.read().decode() if service.poll() is not None and service.stderr else "")
+    config.write_text(
+        yaml.safe_dump({"index": spec.index, "socket": str(socket), "feed": feed_config(spec).model_dump(mode="json")}),
+        encoding="utf-8",
+    )
+    service = subprocess.Popen(
+        [python, "-m", "omnifeed.tools", "serve", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    wait_until_serving(
+        str(socket),
+        service,
+        120.0,
+        detail=lambda: service.stderr.read().decode() if service.poll() is not None and service.stderr else "",
+    )
     return service, str(socket)
 
 
@@ -304,6 +338,7 @@ def run_omnifeed_service(spec: RunSpec) -> Iterable[dict[str, Any]]:
         finally:
             service.terminate()
             service.wait(timeout=60)
+
     return batches()
 
 
@@ -324,8 +359,13 @@ RUNNERS: dict[str, Callable[[RunSpec], Iterable[dict[str, Any]]]] = {
     "litdata": run_litdata,
     "dali": run_dali,
 }
-REQUIRES = {"webloader": "webdataset", "statefuldataloader": "torchdata", "streaming": "streaming",
-            "litdata": "litdata", "dali": "nvidia.dali"}
+REQUIRES = {
+    "webloader": "webdataset",
+    "statefuldataloader": "torchdata",
+    "streaming": "streaming",
+    "litdata": "litdata",
+    "dali": "nvidia.dali",
+}
 
 
 def batch_size_of(batch: Any) -> int:
@@ -369,9 +409,14 @@ def run(spec: RunSpec) -> dict[str, Any]:
         del batch
     end, end_cpu = time.perf_counter(), _tree_cpu_seconds()
     del batches  # workers joined before the whole run's CPU is counted
-    return {"samples": samples, "first_batch_s": round(first_at - start, 3), "steady_s": round(end - first_at, 3),
-            "steady_samples": samples - first_samples, "steady_cpu_s": round(end_cpu - first_cpu, 3),
-            "cpu_s": round(_cpu_seconds() - cpu_start, 3)}
+    return {
+        "samples": samples,
+        "first_batch_s": round(first_at - start, 3),
+        "steady_s": round(end - first_at, 3),
+        "steady_samples": samples - first_samples,
+        "steady_cpu_s": round(end_cpu - first_cpu, 3),
+        "cpu_s": round(_cpu_seconds() - cpu_start, 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

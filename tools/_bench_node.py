@@ -55,10 +55,21 @@ def _rank_loader(spec: RankSpec) -> Iterable[Any]:
         from ._bench_loaders import FolderDataset, collate_samples
 
         dataset = FolderDataset(run.folder, run.pipeline)
-        sampler = torch.utils.data.DistributedSampler(dataset, num_replicas=dp_world, rank=dp_rank, shuffle=True,  # type: ignore[var-annotated, arg-type]
-                                                      seed=0, drop_last=False)
-        return torch.utils.data.DataLoader(dataset, batch_size=run.batch_size, sampler=sampler,  # type: ignore[arg-type]
-                                           num_workers=run.workers, collate_fn=collate_samples)
+        sampler = torch.utils.data.DistributedSampler(  # type: ignore[var-annotated]
+            dataset,  # type: ignore[arg-type]
+            num_replicas=dp_world,
+            rank=dp_rank,
+            shuffle=True,
+            seed=0,
+            drop_last=False,
+        )
+        return torch.utils.data.DataLoader(
+            dataset,  # type: ignore[arg-type]
+            batch_size=run.batch_size,
+            sampler=sampler,
+            num_workers=run.workers,
+            collate_fn=collate_samples,
+        )
     from omnifeed.trainer_adapter import FeedClient
 
     return FeedClient(spec.socket, rank=spec.rank, world_size=spec.ranks, dp_rank=dp_rank, dp_world_size=dp_world)
@@ -81,8 +92,13 @@ def run_rank(spec: RankSpec) -> dict[str, Any]:
     close = getattr(loader, "close", None)
     if close is not None:
         close()
-    return {"rank": spec.rank, "samples": samples, "first_batch_s": round(first_at - start, 3),
-            "steady_s": round(end - first_at, 3), "steady_samples": samples - first_samples}
+    return {
+        "rank": spec.rank,
+        "samples": samples,
+        "first_batch_s": round(first_at - start, 3),
+        "steady_s": round(end - first_at, 3),
+        "steady_samples": samples - first_samples,
+    }
 
 
 def _start_service(run: RunSpec, work: Path, python: str) -> tuple[subprocess.Popen[bytes], str, float]:
@@ -91,8 +107,9 @@ def _start_service(run: RunSpec, work: Path, python: str) -> tuple[subprocess.Po
     return service, socket, time.perf_counter() - started
 
 
-def run_scenario(layout: str, loader: str, ranks: int, run: RunSpec, python: str = sys.executable,
-                 timeout_s: float = 1800.0) -> dict[str, Any]:
+def run_scenario(
+    layout: str, loader: str, ranks: int, run: RunSpec, python: str = sys.executable, timeout_s: float = 1800.0
+) -> dict[str, Any]:
     """``ranks`` rank processes of ``layout`` on ``loader``, started together: the scenario's row."""
     service, socket, service_start_s = None, "", None
     if loader == "omnifeed-service":
@@ -101,9 +118,15 @@ def run_scenario(layout: str, loader: str, ranks: int, run: RunSpec, python: str
     try:
         for rank in range(ranks):
             spec = RankSpec(layout, loader, rank, ranks, asdict(run), socket)
-            children.append(subprocess.Popen([python, "-m", "omnifeed.tools._bench_node", json.dumps(asdict(spec))],
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                             text=True))
+            children.append(
+                subprocess.Popen(
+                    [python, "-m", "omnifeed.tools._bench_node", json.dumps(asdict(spec))],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
         for child in children:  # every rank built its loader (and connected) before any starts
             assert child.stdout is not None
             line = child.stdout.readline()
@@ -131,21 +154,28 @@ def run_scenario(layout: str, loader: str, ranks: int, run: RunSpec, python: str
             service.wait(timeout=60)
     rates = [r["steady_samples"] / max(r["steady_s"], 1e-9) for r in results]
     rate = sum(rates) if layout == "dp" else min(rates)
-    return {"layout": layout, "loader": loader, "ranks": ranks, "samples_per_s": round(rate, 1),
-            "rank_samples_per_s": [round(r, 1) for r in rates], "samples": [r["samples"] for r in results],
-            "first_batch_s": max(r["first_batch_s"] for r in results),
-            "service_start_s": None if service_start_s is None else round(service_start_s, 3)}
+    return {
+        "layout": layout,
+        "loader": loader,
+        "ranks": ranks,
+        "samples_per_s": round(rate, 1),
+        "rank_samples_per_s": [round(r, 1) for r in rates],
+        "samples": [r["samples"] for r in results],
+        "first_batch_s": max(r["first_batch_s"] for r in results),
+        "service_start_s": None if service_start_s is None else round(service_start_s, 3),
+    }
 
 
-def run_node(run: RunSpec, ranks: int, rounds: int = 1, python: str = sys.executable,
-             log: Any = None) -> list[dict[str, Any]]:
+def run_node(
+    run: RunSpec, ranks: int, rounds: int = 1, python: str = sys.executable, log: Any = None
+) -> list[dict[str, Any]]:
     """Every layout × loader, ``rounds`` times alternating; medians, and each omnifeed row over DataLoader's."""
     import statistics
 
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     order = [(layout, loader) for layout in LAYOUTS for loader in NODE_LOADERS]
     for round_ in range(rounds):
-        for layout, loader in (order if round_ % 2 == 0 else list(reversed(order))):
+        for layout, loader in order if round_ % 2 == 0 else list(reversed(order)):
             try:
                 result = run_scenario(layout, loader, ranks, run, python)
             except (RuntimeError, subprocess.TimeoutExpired) as exc:

@@ -10,24 +10,30 @@ def render_table(report: dict[str, Any]) -> str:
     """The report as a Markdown table per pipeline (what `omnifeed bench` prints)."""
     lines = []
     for pipeline, limit in report["decode_limit"].items():
-        draft = (f"; draft mode {limit['draft_limit_samples_per_s']:.0f}" if "draft_limit_samples_per_s" in limit else "")
-        lines += [f"\n{pipeline}: decode limit {limit['limit_samples_per_s']:.0f} samples/s "
-                  f"({limit['one_core_samples_per_s']:.0f} per core × {limit['workers']} workers{draft})\n",
-                  "| loader | samples/s | CPU ms/sample | first batch s | peak PSS MiB | vs DataLoader | vs decode limit |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+        draft = f"; draft mode {limit['draft_limit_samples_per_s']:.0f}" if "draft_limit_samples_per_s" in limit else ""
+        lines += [
+            f"\n{pipeline}: decode limit {limit['limit_samples_per_s']:.0f} samples/s "
+            f"({limit['one_core_samples_per_s']:.0f} per core × {limit['workers']} workers{draft})\n",
+            "| loader | samples/s | CPU ms/sample | first batch s | peak PSS MiB | vs DataLoader | vs decode limit |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
         for row in (r for r in report["rows"] if r["pipeline"] == pipeline):
             if row["status"] != "ok":
                 lines.append(f"| {row['loader']} | {row['status']} | | | | | |")
                 continue
             ratio = f"{row['vs_dataloader']:.2f}×" if row["vs_dataloader"] is not None else "—"
             limit_ratio = f"{row['vs_decode_limit']:.2f}" if row["vs_decode_limit"] is not None else "—"
-            lines.append(f"| {row['loader']} | {row['samples_per_s']:.0f} | {row['cpu_s_per_sample'] * 1e3:.1f} | "
-                         f"{row['first_batch_s']:.2f} | {row['peak_pss_mib']:.0f} | {ratio} | {limit_ratio} |")
+            lines.append(
+                f"| {row['loader']} | {row['samples_per_s']:.0f} | {row['cpu_s_per_sample'] * 1e3:.1f} | "
+                f"{row['first_batch_s']:.2f} | {row['peak_pss_mib']:.0f} | {ratio} | {limit_ratio} |"
+            )
     if report.get("node"):
-        lines += ["\nnode: trainer ranks on one node, one service against a DataLoader per rank (image pipeline; "
-                  "dp: data-parallel ranks, rate summed; tp: tensor-parallel peers of one rank, a step's rate)\n",
-                  "| layout | ranks | loader | samples/s | per rank | first batch s | service start s | vs DataLoader |",
-                  "|---|---:|---|---:|---|---:|---:|---:|"]
+        lines += [
+            "\nnode: trainer ranks on one node, one service against a DataLoader per rank (image pipeline; "
+            "dp: data-parallel ranks, rate summed; tp: tensor-parallel peers of one rank, a step's rate)\n",
+            "| layout | ranks | loader | samples/s | per rank | first batch s | service start s | vs DataLoader |",
+            "|---|---:|---|---:|---|---:|---:|---:|",
+        ]
         for row in report["node"]:
             if row["status"] != "ok":
                 lines.append(f"| {row['layout']} | {row['ranks']} | {row['loader']} | {row['status']} | | | | |")
@@ -35,22 +41,28 @@ def render_table(report: dict[str, Any]) -> str:
             start = f"{row['service_start_s']:.2f}" if row.get("service_start_s") is not None else "—"
             ratio = f"{row['vs_dataloader']:.2f}×" if row.get("vs_dataloader") is not None else "—"
             per_rank = " / ".join(f"{r:.0f}" for r in row["rank_samples_per_s"])
-            lines.append(f"| {row['layout']} | {row['ranks']} | {row['loader']} | {row['samples_per_s']:.0f} | {per_rank} | "
-                         f"{row['first_batch_s']:.2f} | {start} | {ratio} |")
+            lines.append(
+                f"| {row['layout']} | {row['ranks']} | {row['loader']} | {row['samples_per_s']:.0f} | {per_rank} | "
+                f"{row['first_batch_s']:.2f} | {start} | {ratio} |"
+            )
     return "\n".join(lines)
 
 
 def render_resume(rows: list[dict[str, Any]]) -> str:
     """The resume-cost rows as a Markdown table."""
-    lines = ["\nresume mid-epoch (time from a fresh process holding the dataset to the first batch after the saved position)\n",
-             "| loader | samples | position | resume s | peak RSS MiB | state bytes | open s | status |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "\nresume mid-epoch (time from a fresh process holding the dataset to the first batch after the saved position)\n",
+        "| loader | samples | position | resume s | peak RSS MiB | state bytes | open s | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for row in rows:
         if row.get("status") != "ok":
             lines.append(f"| {_resume_name(row)} | {row.get('samples', '')} | | | | | | {row.get('status')} |")
             continue
-        lines.append(f"| {_resume_name(row)} | {row['samples']:,} | {row['position']:,} | {row['resume_s']:.3f} | "
-                     f"{row['peak_rss_mib']:.0f} | {row['state_bytes']:,} | {row['open_s']:.2f} | ok |")
+        lines.append(
+            f"| {_resume_name(row)} | {row['samples']:,} | {row['position']:,} | {row['resume_s']:.3f} | "
+            f"{row['peak_rss_mib']:.0f} | {row['state_bytes']:,} | {row['open_s']:.2f} | ok |"
+        )
     return "\n".join(lines)
 
 
@@ -69,8 +81,9 @@ def write_plot(report: dict[str, Any], path: Path) -> Path | None:
         return None
     resume = [r for r in report.get("resume", []) if r.get("status") == "ok"]
     pipelines = list(report["decode_limit"])
-    fig, axes = plt.subplots(1, len(pipelines) + (1 if resume else 0), figsize=(6 * (len(pipelines) + 1), 4.5),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(pipelines) + (1 if resume else 0), figsize=(6 * (len(pipelines) + 1), 4.5), squeeze=False
+    )
     for ax, pipeline in zip(axes[0], pipelines):
         rows = [r for r in report["rows"] if r["pipeline"] == pipeline and r["status"] == "ok"]
         names = [r["loader"] for r in rows]
@@ -84,8 +97,11 @@ def write_plot(report: dict[str, Any], path: Path) -> Path | None:
         ax.legend(loc="lower right")
     if resume:
         ax = axes[0][-1]
-        ax.barh([_resume_name(r) for r in resume], [r["resume_s"] for r in resume],
-                color=["tab:blue" if r["loader"].startswith("omnifeed") else "tab:gray" for r in resume])
+        ax.barh(
+            [_resume_name(r) for r in resume],
+            [r["resume_s"] for r in resume],
+            color=["tab:blue" if r["loader"].startswith("omnifeed") else "tab:gray" for r in resume],
+        )
         ax.set_xscale("log")
         ax.set_xlabel("seconds to the first batch after resume (log)")
         ax.set_title(f"resume at sample {resume[0]['position']:,} of {resume[0]['samples']:,}")

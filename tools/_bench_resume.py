@@ -43,25 +43,45 @@ class Missing(Exception):
 
 
 # -- the parent --------------------------------------------------------------------------------
-def run_resume_bench(work: Path, samples: int = 10_000_000, fraction: float = 0.5, batch_size: int = 64,
-                     loaders: Sequence[str] = LOADERS, python: str | Mapping[str, str] = sys.executable,
-                     torchdata_workers: Sequence[int] = (0, 2), timeout_s: float = 1800.0) -> list[dict[str, Any]]:
+def run_resume_bench(
+    work: Path,
+    samples: int = 10_000_000,
+    fraction: float = 0.5,
+    batch_size: int = 64,
+    loaders: Sequence[str] = LOADERS,
+    python: str | Mapping[str, str] = sys.executable,
+    torchdata_workers: Sequence[int] = (0, 2),
+    timeout_s: float = 1800.0,
+) -> list[dict[str, Any]]:
     """One row per loader (per worker count for torchdata), each measured in fresh subprocesses."""
     rows = []
     for loader in loaders:
         interpreter = python if isinstance(python, str) else python.get(loader, sys.executable)
-        for workers in (torchdata_workers if loader == "torchdata" else (0,)):
-            options = {"work": work / (loader if not workers else f"{loader}-w{workers}"), "samples": samples,
-                       "fraction": fraction, "batch_size": batch_size, "workers": workers}
+        for workers in torchdata_workers if loader == "torchdata" else (0,):
+            options = {
+                "work": work / (loader if not workers else f"{loader}-w{workers}"),
+                "samples": samples,
+                "fraction": fraction,
+                "batch_size": batch_size,
+                "workers": workers,
+            }
             rows.append(loader_row(loader, interpreter, options, timeout_s))
     return rows
 
 
 def loader_row(loader: str, python: str, options: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
     """The save then the resume phase of one loader, merged into its row."""
-    row: dict[str, Any] = {"loader": loader, "workers": options["workers"], "samples": options["samples"],
-                           "position": None, "open_s": None, "resume_s": None, "peak_rss_mib": None,
-                           "state_bytes": None, "python": python}
+    row: dict[str, Any] = {
+        "loader": loader,
+        "workers": options["workers"],
+        "samples": options["samples"],
+        "position": None,
+        "open_s": None,
+        "resume_s": None,
+        "peak_rss_mib": None,
+        "state_bytes": None,
+        "python": python,
+    }
     for phase in ("save", "resume"):
         result = child(python, phase, loader, options, timeout_s)
         row.update(result)
@@ -72,8 +92,16 @@ def loader_row(loader: str, python: str, options: Mapping[str, Any], timeout_s: 
 
 def child(python: str, phase: str, loader: str, options: Mapping[str, Any], timeout_s: float) -> dict[str, Any]:
     """One phase in a fresh process: its JSON line, or a status saying why there is none."""
-    command = [python, "-m", "omnifeed.tools._bench_resume", "--phase", phase, "--loader", loader,
-               *(f"--{k.replace('_', '-')}={v}" for k, v in options.items())]
+    command = [
+        python,
+        "-m",
+        "omnifeed.tools._bench_resume",
+        "--phase",
+        phase,
+        "--loader",
+        loader,
+        *(f"--{k.replace('_', '-')}={v}" for k, v in options.items()),
+    ]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, check=False)
     except FileNotFoundError:
@@ -128,8 +156,11 @@ class PeakRss:
 
     def figures(self) -> dict[str, Any]:
         """The row's memory fields."""
-        return {"peak_rss_mib": round(self.peak_mib, 1), "rss_before_resume_mib": round(self.before_mib, 1),
-                "rss_how": self.how}
+        return {
+            "peak_rss_mib": round(self.peak_mib, 1),
+            "rss_before_resume_mib": round(self.before_mib, 1),
+            "rss_how": self.how,
+        }
 
 
 def _maxrss_mib() -> float:
@@ -168,6 +199,7 @@ def omnifeed_save(options: argparse.Namespace) -> dict[str, Any]:
     from omnifeed.loader import SampleIndex
     from omnifeed.loader.feed import FEED_STATE_FORMAT
     from omnifeed.loader.plan import Plan, PlanCursor
+
     from ._synthetic_index import make_index
 
     options.work.mkdir(parents=True, exist_ok=True)
@@ -182,8 +214,13 @@ def omnifeed_save(options: argparse.Namespace) -> dict[str, Any]:
     stepped_s = time.perf_counter() - started
     (options.work / "state.json").write_text(json.dumps(state), encoding="utf-8")
     write_expected(options.work, [str(k) for k in index.keys(cursor.next_step().micro_batches[0].positions)])
-    return {"status": "ok", "position": position, "build_s": built.get("build_s"), "built": not built["cached"],
-            "how": f"a PlanCursor stepped for real to micro-batch {batches} ({stepped_s:.1f} s); expected: its next step"}
+    return {
+        "status": "ok",
+        "position": position,
+        "build_s": built.get("build_s"),
+        "built": not built["cached"],
+        "how": f"a PlanCursor stepped for real to micro-batch {batches} ({stepped_s:.1f} s); expected: its next step",
+    }
 
 
 def omnifeed_config(options: argparse.Namespace) -> Any:
@@ -228,13 +265,19 @@ def omnifeed_resume(options: argparse.Namespace) -> dict[str, Any]:
 
     feed_keys, feed_s, feed_memory = timed_resume(feed_resume)
     ok = keys == expected and feed_keys == expected
-    return {"status": "ok" if ok else "error: the first batch after resume is not the expected one",
-            "open_s": round(open_s, 4), "resume_s": round(resume_s, 4), **memory.figures(),
-            "state_bytes": len(text.encode()), "first_batch_ok": ok,
-            "resume_parts_s": {"next_step": round(marks[1] - marks[0], 4), "keys": round(marks[2] - marks[1], 4)},
-            "feed_resume_s": round(feed_s, 4), "feed_peak_rss_mib": round(feed_memory.peak_mib, 1),
-            "timed": "PlanCursor.load_state_dict + next_step + SampleIndex.keys of its micro-batch; "
-                     "feed_resume_s: Feed() + load_state_dict + next_batch (batch_size JPEGs read and decoded)"}
+    return {
+        "status": "ok" if ok else "error: the first batch after resume is not the expected one",
+        "open_s": round(open_s, 4),
+        "resume_s": round(resume_s, 4),
+        **memory.figures(),
+        "state_bytes": len(text.encode()),
+        "first_batch_ok": ok,
+        "resume_parts_s": {"next_step": round(marks[1] - marks[0], 4), "keys": round(marks[2] - marks[1], 4)},
+        "feed_resume_s": round(feed_s, 4),
+        "feed_peak_rss_mib": round(feed_memory.peak_mib, 1),
+        "timed": "PlanCursor.load_state_dict + next_step + SampleIndex.keys of its micro-batch; "
+        "feed_resume_s: Feed() + load_state_dict + next_batch (batch_size JPEGs read and decoded)",
+    }
 
 
 # -- torchdata StatefulDataLoader --------------------------------------------------------------
@@ -267,12 +310,19 @@ def torchdata_loader(samples: int, batch_size: int, workers: int, seed: int) -> 
 
     generator = torch.Generator()
     generator.manual_seed(seed)
-    return import_torchdata()(indices_dataset(samples), batch_size=batch_size, shuffle=True, num_workers=workers,
-                              generator=generator, multiprocessing_context="fork" if workers else None)
+    return import_torchdata()(
+        indices_dataset(samples),
+        batch_size=batch_size,
+        shuffle=True,
+        num_workers=workers,
+        generator=generator,
+        multiprocessing_context="fork" if workers else None,
+    )
 
 
-def torchdata_state(samples: int, batch_size: int, workers: int, batches: int,
-                    iterate_limit: int = ITERATE_LIMIT) -> tuple[dict[str, Any], list[int], str]:
+def torchdata_state(
+    samples: int, batch_size: int, workers: int, batches: int, iterate_limit: int = ITERATE_LIMIT
+) -> tuple[dict[str, Any], list[int], str]:
     """The loader's state after ``batches`` batches, the batch an uninterrupted run yields next, and how.
 
     Up to ``iterate_limit`` batches are iterated for real (the expected batch is then the real
@@ -292,8 +342,10 @@ def torchdata_state(samples: int, batch_size: int, workers: int, batches: int,
     else:
         state = shift_torchdata_state(state, batches, batch_size, workers)
         expected = permutation_batch(state, samples, batches * batch_size, batch_size, workers)
-        how = (f"a real state after {min(3, batches)} batches, counters moved to batch {batches} (iterating "
-               f"there takes ~1 ms a batch); expected: torch.randperm from the state's generator")
+        how = (
+            f"a real state after {min(3, batches)} batches, counters moved to batch {batches} (iterating "
+            f"there takes ~1 ms a batch); expected: torch.randperm from the state's generator"
+        )
     del iterator
     return state, expected, how
 
@@ -319,7 +371,7 @@ def permutation_batch(state: dict[str, Any], samples: int, position: int, batch_
     main = state["_snapshot"]["_main_snapshot"] if workers else state
     generator = torch.Generator()
     generator.set_state(main["_sampler_iter_state"]["sampler_iter_state"]["generator"])
-    return [int(i) for i in torch.randperm(samples, generator=generator)[position:position + batch_size]]
+    return [int(i) for i in torch.randperm(samples, generator=generator)[position : position + batch_size]]
 
 
 def _plain_state(value: Any) -> Any:
@@ -387,10 +439,15 @@ def torchdata_resume(options: argparse.Namespace) -> dict[str, Any]:
 
     batch, resume_s, memory = timed_resume(resume)
     ok = batch == read_expected(options.work)
-    return {"status": "ok" if ok else "error: the first batch after resume is not the expected one",
-            "open_s": round(open_s, 4), "resume_s": round(resume_s, 4), **memory.figures(),
-            "state_bytes": _saved_size(state), "first_batch_ok": ok,
-            "timed": "StatefulDataLoader.load_state_dict + iter + next (workers started inside it)"}
+    return {
+        "status": "ok" if ok else "error: the first batch after resume is not the expected one",
+        "open_s": round(open_s, 4),
+        "resume_s": round(resume_s, 4),
+        **memory.figures(),
+        "state_bytes": _saved_size(state),
+        "first_batch_ok": ok,
+        "timed": "StatefulDataLoader.load_state_dict + iter + next (workers started inside it)",
+    }
 
 
 # -- MosaicML Streaming ------------------------------------------------------------------------
@@ -424,8 +481,9 @@ def write_mds(out: Path, samples: int, limit_s: float) -> tuple[int, float]:
 
 def streaming_dataset(options: argparse.Namespace) -> Any:
     """A shuffled ``StreamingDataset`` over the local MDS dataset (no remote), seed 0."""
-    return import_streaming().StreamingDataset(local=str(options.work / "mds"), shuffle=True, shuffle_seed=SEED,
-                                               batch_size=options.batch_size)
+    return import_streaming().StreamingDataset(
+        local=str(options.work / "mds"), shuffle=True, shuffle_seed=SEED, batch_size=options.batch_size
+    )
 
 
 def streaming_expected(dataset: Any, started: Any, position: int, batch_size: int) -> tuple[list[int], str]:
@@ -438,8 +496,10 @@ def streaming_expected(dataset: Any, started: Any, position: int, batch_size: in
 
     world = dataset._parallel_rank_world.detect_workers()
     ids = generate_work(dataset.batching_method, dataset, world, 0, 0).reshape(-1)  # the whole epoch, in order
-    return ([int(dataset[int(i)]["i"]) for i in ids[position:position + batch_size]],
-            "expected: the epoch's sample order (streaming's generate_work from sample 0) at the position")
+    return (
+        [int(dataset[int(i)]["i"]) for i in ids[position : position + batch_size]],
+        "expected: the epoch's sample order (streaming's generate_work from sample 0) at the position",
+    )
 
 
 def streaming_save(options: argparse.Namespace) -> dict[str, Any]:
@@ -455,8 +515,13 @@ def streaming_save(options: argparse.Namespace) -> dict[str, Any]:
     expected, how = streaming_expected(dataset, itertools.chain([first], epoch), position, options.batch_size)
     (options.work / "state.json").write_text(json.dumps(state), encoding="utf-8")
     write_expected(options.work, expected)
-    return {"status": "ok", "samples": written, "position": position, "build_s": round(seconds, 2),
-            "how": f"StreamingDataset.state_dict({position}, from_beginning=True) one sample into epoch 0; {how}"}
+    return {
+        "status": "ok",
+        "samples": written,
+        "position": position,
+        "build_s": round(seconds, 2),
+        "how": f"StreamingDataset.state_dict({position}, from_beginning=True) one sample into epoch 0; {how}",
+    }
 
 
 def streaming_resume(options: argparse.Namespace) -> dict[str, Any]:
@@ -476,17 +541,26 @@ def streaming_resume(options: argparse.Namespace) -> dict[str, Any]:
 
     batch, resume_s, memory = timed_resume(resume)
     ok = batch == read_expected(options.work)
-    return {"status": "ok" if ok else "error: the first batch after resume is not the expected one",
-            "samples": options.samples, "open_s": round(open_s, 4), "resume_s": round(resume_s, 4),
-            **memory.figures(), "state_bytes": len(text.encode()), "first_batch_ok": ok,
-            "timed": "StreamingDataset.load_state_dict + iter + batch_size samples (no DataLoader, no workers)"}
+    return {
+        "status": "ok" if ok else "error: the first batch after resume is not the expected one",
+        "samples": options.samples,
+        "open_s": round(open_s, 4),
+        "resume_s": round(resume_s, 4),
+        **memory.figures(),
+        "state_bytes": len(text.encode()),
+        "first_batch_ok": ok,
+        "timed": "StreamingDataset.load_state_dict + iter + batch_size samples (no DataLoader, no workers)",
+    }
 
 
 # -- the subprocess ----------------------------------------------------------------------------
 PHASES = {
-    ("omnifeed", "save"): omnifeed_save, ("omnifeed", "resume"): omnifeed_resume,
-    ("torchdata", "save"): torchdata_save, ("torchdata", "resume"): torchdata_resume,
-    ("streaming", "save"): streaming_save, ("streaming", "resume"): streaming_resume,
+    ("omnifeed", "save"): omnifeed_save,
+    ("omnifeed", "resume"): omnifeed_resume,
+    ("torchdata", "save"): torchdata_save,
+    ("torchdata", "resume"): torchdata_resume,
+    ("streaming", "save"): streaming_save,
+    ("streaming", "resume"): streaming_resume,
 }
 
 

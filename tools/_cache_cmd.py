@@ -20,41 +20,72 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from omnifeed.cache import NvmeTier, RamTier
-from omnifeed.loader import OmnifeedError
-
 _NVME_DEPTH = 4  # directory levels under --nvme searched for tiers
 
 
 def add_cache_command(cache: argparse.ArgumentParser, command: Callable[..., argparse.ArgumentParser]) -> None:
     """The ``list`` and ``remove`` actions under ``cache``; ``command(sub, name, summary, *examples)`` makes each."""
     sub = cache.add_subparsers(dest="cache_action", required=True, metavar="ACTION")
-    listing = command(sub, "list", "the node's RAM tier segments in /dev/shm (every user's) and, with --nvme, "
-                      "the NVMe tiers under a directory", "omnifeed cache list",
-                      "omnifeed cache list --nvme /local_nvme --json")
-    listing.add_argument("--nvme", metavar="PATH", action="append", default=[],
-                         help="also list the NVMe (LMDB) tiers in PATH and its subdirectories (repeatable)")
+    listing = command(
+        sub,
+        "list",
+        "the node's RAM tier segments in /dev/shm (every user's) and, with --nvme, the NVMe tiers under a directory",
+        "omnifeed cache list",
+        "omnifeed cache list --nvme /local_nvme --json",
+    )
+    listing.add_argument(
+        "--nvme",
+        metavar="PATH",
+        action="append",
+        default=[],
+        help="also list the NVMe (LMDB) tiers in PATH and its subdirectories (repeatable)",
+    )
     listing.add_argument("--json", action="store_true", help="one JSON object per tier instead of a table")
     listing.set_defaults(run=run_list)
-    remove = command(sub, "remove", "remove RAM tier segments of yours from /dev/shm (the shared memory is freed; "
-                     "the next job starts with a cold RAM tier)", "omnifeed cache remove default",
-                     "omnifeed cache remove --all-mine")
-    remove.add_argument("name", nargs="?", metavar="NAME",
-                        help="the segment's name: cache.ram.name, as `omnifeed cache list` shows it")
+    remove = command(
+        sub,
+        "remove",
+        "remove RAM tier segments of yours from /dev/shm (the shared memory is freed; "
+        "the next job starts with a cold RAM tier)",
+        "omnifeed cache remove default",
+        "omnifeed cache remove --all-mine",
+    )
+    remove.add_argument(
+        "name", nargs="?", metavar="NAME", help="the segment's name: cache.ram.name, as `omnifeed cache list` shows it"
+    )
     remove.add_argument("--all-mine", action="store_true", help="every omnifeed RAM segment of yours")
-    remove.add_argument("--force", action="store_true", help="remove a segment even while processes have it mapped "
-                        "(they keep their mapping; processes started later get a new, cold one)")
+    remove.add_argument(
+        "--force",
+        action="store_true",
+        help="remove a segment even while processes have it mapped "
+        "(they keep their mapping; processes started later get a new, cold one)",
+    )
     remove.set_defaults(run=run_remove)
 
 
 def run_list(args: argparse.Namespace) -> int:
+    """`omnifeed cache list`: a table (or JSON lines) of the RAM segments and the NVMe tiers under --nvme."""
+    from omnifeed.cache import RamTier
+
     segments = RamTier.segments()
     tiers = [tier for path in args.nvme for tier in nvme_tiers(Path(path))]
     users = mapped_by([str(s.path) for s in segments] + [row["path"] + "/data.mdb" for row in tiers])
-    ram = [{"tier": "ram", "name": s.name, "path": str(s.path), "owner": _user(s.owner), "size_bytes": s.size_bytes,
-            "capacity_bytes": s.capacity_bytes, "entries": s.entries, "bytes_used": s.bytes_used,
-            "last_used": _when(s.last_used), "state": s.state, "mapped_by": users.get(str(s.path), [])}
-           for s in segments]
+    ram = [
+        {
+            "tier": "ram",
+            "name": s.name,
+            "path": str(s.path),
+            "owner": _user(s.owner),
+            "size_bytes": s.size_bytes,
+            "capacity_bytes": s.capacity_bytes,
+            "entries": s.entries,
+            "bytes_used": s.bytes_used,
+            "last_used": _when(s.last_used),
+            "state": s.state,
+            "mapped_by": users.get(str(s.path), []),
+        }
+        for s in segments
+    ]
     for row in tiers:
         row["mapped_by"] = users.get(row["path"] + "/data.mdb", [])
     if args.json:
@@ -65,7 +96,9 @@ def run_list(args: argparse.Namespace) -> int:
     if ram:
         print(f"RAM tier segments in {folder}:")
         _table(ram, ("name", "owner", "size_bytes", "entries", "bytes_used", "last_used", "state", "mapped_by"))
-        print("remove one of yours with `omnifeed cache remove NAME`, all of yours with `omnifeed cache remove --all-mine`")
+        print(
+            "remove one of yours with `omnifeed cache remove NAME`, all of yours with `omnifeed cache remove --all-mine`"
+        )
     else:
         print(f"no omnifeed RAM tier segments in {folder}")
     for path in args.nvme:
@@ -79,6 +112,10 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_remove(args: argparse.Namespace) -> int:
+    """`omnifeed cache remove`: free RAM tier segments of the user's own."""
+    from omnifeed.cache import RamTier
+    from omnifeed.loader import OmnifeedError
+
     if (args.name is None) == (not args.all_mine):
         args.parser.error("give a segment NAME or --all-mine (one of them)")
     me = os.getuid()
@@ -90,8 +127,10 @@ def run_remove(args: argparse.Namespace) -> int:
         name = args.name.removeprefix(RamTier.SEGMENT_PREFIX)
         segment = RamTier.segment(name)  # ValueError for a name no tier can have
         if segment is None:
-            raise OmnifeedError(f"no omnifeed RAM tier segment named {name!r} (see `omnifeed cache list`); "
-                                "a file of that name that is not one is left alone")
+            raise OmnifeedError(
+                f"no omnifeed RAM tier segment named {name!r} (see `omnifeed cache list`); "
+                "a file of that name that is not one is left alone"
+            )
         if segment.owner != me:
             raise OmnifeedError(f"{segment.path} belongs to {_user(segment.owner)}: only its owner may remove it")
         targets = [segment]
@@ -101,8 +140,11 @@ def run_remove(args: argparse.Namespace) -> int:
         pids = users.get(str(segment.path), [])
         if pids and not args.force:
             kept += 1
-            print(f"omnifeed: {'warning' if args.all_mine else 'error'}: kept {segment.path}: in use by process(es) "
-                  f"{', '.join(map(str, pids))}; stop them first, or pass --force", file=sys.stderr)
+            print(
+                f"omnifeed: {'warning' if args.all_mine else 'error'}: kept {segment.path}: in use by process(es) "
+                f"{', '.join(map(str, pids))}; stop them first, or pass --force",
+                file=sys.stderr,
+            )
             continue
         for path in (segment.path, segment.path.with_name(segment.path.name + ".lock")):
             _unlink_own(path, me)
@@ -122,6 +164,8 @@ def _unlink_own(path: Path, uid: int) -> None:
 
 def nvme_tiers(root: Path) -> list[dict[str, Any]]:
     """The omnifeed NVMe tiers (LMDB environments) in ``root`` and its subdirectories, read-only and lock-free."""
+    from omnifeed.loader import OmnifeedError
+
     if not root.is_dir():
         raise OmnifeedError(f"--nvme {root}: no such directory")
     found = []
@@ -139,14 +183,23 @@ def nvme_tiers(root: Path) -> list[dict[str, Any]]:
 def _nvme_tier(folder: Path) -> dict[str, Any] | None:
     import lmdb
 
+    from omnifeed.cache import NvmeTier
+
     data = folder / "data.mdb"
     info = data.lstat()
     if not stat.S_ISREG(info.st_mode):
         return None  # a FIFO would block the open below, a link could point anywhere: not a tier
     files = [data] + [folder / name for name in ("sketch.bin", "lock.mdb") if (folder / name).is_file()]
-    row: dict[str, Any] = {"tier": "nvme", "path": str(folder), "owner": _user(info.st_uid),
-                           "size_bytes": sum(f.lstat().st_blocks * 512 for f in files), "entries": None,
-                           "bytes_used": None, "last_used": _when(max(f.lstat().st_mtime for f in files)), "state": "ready"}
+    row: dict[str, Any] = {
+        "tier": "nvme",
+        "path": str(folder),
+        "owner": _user(info.st_uid),
+        "size_bytes": sum(f.lstat().st_blocks * 512 for f in files),
+        "entries": None,
+        "bytes_used": None,
+        "last_used": _when(max(f.lstat().st_mtime for f in files)),
+        "state": "ready",
+    }
     if info.st_uid != os.getuid():
         # LMDB trusts its file's structure: another user's file is listed from its metadata, never parsed
         return row | {"state": "another user's (not opened)"}

@@ -66,8 +66,16 @@ class ChaosConfig:
     @classmethod
     def quick(cls, out: Path, seed: int = 0, minutes: float = 0.4) -> ChaosConfig:
         """The short version for the test suite: a small dataset, 1 or 2 ranks, faults every 1-2.5 s."""
-        return cls(minutes=minutes, out=out, seed=seed, samples=48, shards=3, world_sizes=(1, 2),
-                   interval_s=(1.0, 2.5), spike_s=(1.0, 2.5))
+        return cls(
+            minutes=minutes,
+            out=out,
+            seed=seed,
+            samples=48,
+            shards=3,
+            world_sizes=(1, 2),
+            interval_s=(1.0, 2.5),
+            spike_s=(1.0, 2.5),
+        )
 
 
 @dataclass
@@ -124,21 +132,35 @@ class Soak:
             raise RuntimeError(f"indexing {sources} failed: {report.errors[0]}")
         self.server.delay_s, self.server.fail_fraction = config.latency_s, config.fail_fraction
         service_config = {
-            "index": str(report.path), "socket": str(self._socket_dir / "feed.sock"),
-            "audit_log": str(self.audit.path), "prefetch_batches": 2, "stream_idle_s": 5.0,
+            "index": str(report.path),
+            "socket": str(self._socket_dir / "feed.sock"),
+            "audit_log": str(self.audit.path),
+            "prefetch_batches": 2,
+            "stream_idle_s": 5.0,
             "feed": {
                 "plan": {"seed": config.seed, "batch_size": config.batch_size},
                 "pools": {"audio": {"workers": 2, "processes": 1, "buffer_samples": 64}},
-                "cache": {"remote": {"timeout_s": 5.0, "retries": 5, "backoff_s": 0.02, "latency_window": 32,
-                                     "degraded_latency_s": config.latency_s * config.spike_factor / 2}},
+                "cache": {
+                    "remote": {
+                        "timeout_s": 5.0,
+                        "retries": 5,
+                        "backoff_s": 0.02,
+                        "latency_window": 32,
+                        "degraded_latency_s": config.latency_s * config.spike_factor / 2,
+                    }
+                },
             },
         }
         path = self.out / "service.yaml"
         path.write_text(yaml.safe_dump(service_config), encoding="utf-8")
-        self.say(f"dataset: {config.samples} samples in {len(shards)} shards at {sources}; index {report.path} "
-                 f"({time.monotonic() - started:.0f} s)")
-        self.say(f"storage: {config.fail_fraction:.0%} of requests answered 503, {config.latency_s * 1e3:.0f} ms per "
-                 f"request, spikes x{config.spike_factor:g}")
+        self.say(
+            f"dataset: {config.samples} samples in {len(shards)} shards at {sources}; index {report.path} "
+            f"({time.monotonic() - started:.0f} s)"
+        )
+        self.say(
+            f"storage: {config.fail_fraction:.0%} of requests answered 503, {config.latency_s * 1e3:.0f} ms per "
+            f"request, spikes x{config.spike_factor:g}"
+        )
         return SampleIndex(report.path), path
 
     # -- the run ---------------------------------------------------------------------------
@@ -162,8 +184,11 @@ class Soak:
                 last_sample = now
             for epoch in self.audit.poll():
                 self.event(f"epoch {epoch} begins")
-            if not stopping and now >= injecting_until and (
-                    not set(KINDS) - set(self.tally.injected) or now >= injecting_until + _EXTENSION_S):
+            if (
+                not stopping
+                and now >= injecting_until
+                and (not set(KINDS) - set(self.tally.injected) or now >= injecting_until + _EXTENSION_S)
+            ):
                 stopping = now
                 self.stop_file.touch()
                 self.event("no more faults: the job finishes the epoch in progress")
@@ -208,8 +233,16 @@ class Soak:
         assert self.service is not None
         self.audit.poll()
         self._job_mark = self.audit.records
-        self.job = Job(self.tally.jobs, world_size, self.service.socket, self.checkpoint, self.out / "jobs", self.token,
-                       self.config.save_every, self.stop_file)
+        self.job = Job(
+            self.tally.jobs,
+            world_size,
+            self.service.socket,
+            self.checkpoint,
+            self.out / "jobs",
+            self.token,
+            self.config.save_every,
+            self.stop_file,
+        )
         self.tally.jobs += 1
 
     def _job_active(self) -> bool:
@@ -247,7 +280,9 @@ class Soak:
         else:
             seconds = self.schedule.uniform(*self.config.spike_s)
             self.server.spike(seconds, self.config.spike_factor, at_least=_SPIKE_REQUESTS)
-            self.event(f"storage latency x{self.config.spike_factor:g} for {seconds:.1f} s (and {_SPIKE_REQUESTS} requests)")
+            self.event(
+                f"storage latency x{self.config.spike_factor:g} for {seconds:.1f} s (and {_SPIKE_REQUESTS} requests)"
+            )
         return True
 
     def _stop_job(self, kind: str) -> bool:
@@ -292,8 +327,13 @@ class Soak:
         if code != 0:
             self._unexpected(f"the service exited {code} on SIGTERM at the end")
         server = self.server
-        self.tally.storage = {"requests": server.requests, "errors_503": server.failures, "slowed": server.slowed,
-                              "spikes": server.spikes, **self._service_storage()}
+        self.tally.storage = {
+            "requests": server.requests,
+            "errors_503": server.failures,
+            "slowed": server.slowed,
+            "spikes": server.spikes,
+            **self._service_storage(),
+        }
         server.stop()
         orphans = self._orphans()
         shm = sorted(_shm_segments() - shm_before)
@@ -301,8 +341,15 @@ class Soak:
         summaries = self.job.summaries() if self.job is not None and finished else []
         self.tally.epochs = max((int(s["next_epoch"]) for s in summaries), default=0)
         audit = verify_audit(index, list(read_delivery_logs([self.audit.path])), self.tally.epochs)
-        verdict = Verdict(config=_config_json(self.config), seconds=seconds, tally=asdict(self.tally),
-                          audit=audit, resources=self.resources.summary(), shm_leaked=shm, orphans=orphans)
+        verdict = Verdict(
+            config=_config_json(self.config),
+            seconds=seconds,
+            tally=asdict(self.tally),
+            audit=audit,
+            resources=self.resources.summary(),
+            shm_leaked=shm,
+            orphans=orphans,
+        )
         (self.out / "summary.json").write_text(json.dumps(verdict.to_json(), indent=1) + "\n", encoding="utf-8")
         return verdict
 

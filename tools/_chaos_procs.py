@@ -6,7 +6,7 @@ starts), so `marked_processes` finds every descendant of the soak, even one whos
 died, without mistaking another job's processes for ours.
 
 The training job is what an elastic agent (torchrun) would run: ``world_size`` toy trainer
-ranks (``omnifeed.trainer_adapter._toy_trainer --torchrun``, DDP over gloo), started
+ranks (``omnifeed.trainer_adapter --torchrun``, DDP over gloo), started
 together with torchrun's environment variables, stopped together (SIGTERM, then SIGKILL)
 when one of them dies or the world size changes, and restarted from the last checkpoint.
 """
@@ -80,8 +80,12 @@ class Service:
     def launch(self) -> None:
         """Start the process (it listens a few seconds later)."""
         with open(self.log, "ab") as out:
-            self.process = subprocess.Popen([sys.executable, "-m", "omnifeed.tools", "serve", "--config", str(self.config)],
-                                            stdout=out, stderr=subprocess.STDOUT, env=_environment(self.token))
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "omnifeed.tools", "serve", "--config", str(self.config)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=_environment(self.token),
+            )
         self.starts += 1
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -166,8 +170,17 @@ def _rss(process: psutil.Process) -> int:
 class Job:
     """``world_size`` toy trainer ranks started together from ``checkpoint``, as torchrun starts its workers."""
 
-    def __init__(self, number: int, world_size: int, address: Path, checkpoint: Path, folder: Path, token: str,
-                 save_every: int, stop_file: Path) -> None:
+    def __init__(
+        self,
+        number: int,
+        world_size: int,
+        address: Path,
+        checkpoint: Path,
+        folder: Path,
+        token: str,
+        save_every: int,
+        stop_file: Path,
+    ) -> None:
         self.number, self.world_size = number, world_size
         self.folder = folder / f"job-{number:03d}-w{world_size}"
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -175,12 +188,36 @@ class Job:
         self.ranks: list[subprocess.Popen[bytes]] = []
         self.killed: set[int] = set()
         for rank in range(world_size):
-            environment = _environment(token, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(world_size),
-                                       RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
-            command = [sys.executable, "-m", "omnifeed.trainer_adapter._toy_trainer", "--torchrun", "--address",
-                       str(address), "--checkpoint", str(checkpoint), "--save-every", str(save_every), "--save-at-end",
-                       "--epochs", "1000000", "--stop-file", str(stop_file)]
-            with open(self.folder / f"rank-{rank}.out", "wb") as out, open(self.folder / f"rank-{rank}.err", "wb") as err:
+            environment = _environment(
+                token,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+                WORLD_SIZE=str(world_size),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+            )
+            command = [
+                sys.executable,
+                "-m",
+                "omnifeed.trainer_adapter",
+                "--torchrun",
+                "--address",
+                str(address),
+                "--checkpoint",
+                str(checkpoint),
+                "--save-every",
+                str(save_every),
+                "--save-at-end",
+                "--epochs",
+                "1000000",
+                "--stop-file",
+                str(stop_file),
+            ]
+            with (
+                open(self.folder / f"rank-{rank}.out", "wb") as out,
+                open(self.folder / f"rank-{rank}.err", "wb") as err,
+            ):
                 self.ranks.append(subprocess.Popen(command, stdout=out, stderr=err, env=environment))
 
     def status(self) -> str:

@@ -38,8 +38,14 @@ def _rolled_back(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], i
             kept = {k: r for k, r in kept.items() if r.get("since") == record["resume"] or (r["step"], r["accum"]) < at}
             dropped += before - len(kept)
         elif "since" in record:
-            key = (record["step"], record["rank"], record["accum"], record["micro_batch"],
-                   record.get("topology_version"), record["since"])
+            key = (
+                record["step"],
+                record["rank"],
+                record["accum"],
+                record["micro_batch"],
+                record.get("topology_version"),
+                record["since"],
+            )
             twice += key in kept
             kept.setdefault(key, record)
         else:
@@ -56,14 +62,18 @@ def verify_audit(index: SampleIndex, records: list[dict[str, Any]], complete_epo
         report = verify_coverage(index, epoch, records).to_json()
         complete = epoch < complete_epochs
         report["complete"] = complete
-        report["passed"] = report["ok"] if complete else (
-            report["duplicates"] == report["unknown"] == report["partial"] == 0)
+        report["passed"] = (
+            report["ok"] if complete else (report["duplicates"] == report["unknown"] == report["partial"] == 0)
+        )
         reports.append(report)
     replaced = Counter(str(item[2]) for r in kept for item in r.get("replaced") or [])
     return {
-        "records": sum("resume" not in r for r in records), "resume_markers": sum("resume" in r for r in records),
-        "logged_twice": twice, "rolled_back": dropped,
-        "epochs": reports, "replaced": dict(replaced),
+        "records": sum("resume" not in r for r in records),
+        "resume_markers": sum("resume" in r for r in records),
+        "logged_twice": twice,
+        "rolled_back": dropped,
+        "epochs": reports,
+        "replaced": dict(replaced),
         "samples_verified": sum(r["delivered"] for r in reports if r["complete"]),
     }
 
@@ -121,11 +131,15 @@ class Verdict:
             out.append("no storage error was injected")
         for report in self.audit["epochs"]:
             if not report["passed"]:
-                out.append(f"epoch {report['epoch']}: {report['duplicates']} duplicates, {report['missing']} missing, "
-                           f"{report['unknown']} unknown ({'complete' if report['complete'] else 'spill'}); "
-                           f"examples {report['examples']}")
+                out.append(
+                    f"epoch {report['epoch']}: {report['duplicates']} duplicates, {report['missing']} missing, "
+                    f"{report['unknown']} unknown ({'complete' if report['complete'] else 'spill'}); "
+                    f"examples {report['examples']}"
+                )
         if self.audit["replaced"]:
-            out.append(f"samples replaced (a fault reached the trainer as a substitute sample): {self.audit['replaced']}")
+            out.append(
+                f"samples replaced (a fault reached the trainer as a substitute sample): {self.audit['replaced']}"
+            )
         if not self.tally["epochs"]:
             out.append("no epoch was delivered")
         if self.shm_leaked:
@@ -144,49 +158,75 @@ class Verdict:
         return {**asdict(self), "ok": self.ok, "failures": self.failures()}
 
 
-_LABELS = {"service_kill": "service killed (kill -9), restarted", "worker_kill": "decode worker process killed (kill -9)",
-           "trainer_kill": "trainer rank killed (kill -9), job restarted", "resize": "resize (job restarted at a new size)",
-           "latency_spike": "storage latency spike"}
+_LABELS = {
+    "service_kill": "service killed (kill -9), restarted",
+    "worker_kill": "decode worker process killed (kill -9)",
+    "trainer_kill": "trainer rank killed (kill -9), job restarted",
+    "resize": "resize (job restarted at a new size)",
+    "latency_spike": "storage latency spike",
+}
 
 
 def render(verdict: Verdict) -> str:
     """The human-readable summary (docs/chaos.md explains each line)."""
     tally, audit, storage = verdict.tally, verdict.audit, verdict.tally["storage"]
-    lines = ["", "== omnifeed chaos summary",
-             f"ran {verdict.seconds:.0f} s (seed {verdict.config['seed']}, {verdict.config['samples']} samples, "
-             f"world sizes {verdict.config['world_sizes']}); {tally['jobs']} job starts, {tally['epochs']} epochs delivered",
-             "faults injected (the run went on after each; failures listed below):"]
+    lines = [
+        "",
+        "== omnifeed chaos summary",
+        f"ran {verdict.seconds:.0f} s (seed {verdict.config['seed']}, {verdict.config['samples']} samples, "
+        f"world sizes {verdict.config['world_sizes']}); {tally['jobs']} job starts, {tally['epochs']} epochs delivered",
+        "faults injected (the run went on after each; failures listed below):",
+    ]
     for kind, label in _LABELS.items():
         extra = f"  {' '.join(tally['resizes'])}" if kind == "resize" and tally["resizes"] else ""
         lines.append(f"  {label:<46}{tally['injected'].get(kind, 0):>6}{extra}")
     requests = max(1, storage.get("requests", 0))
-    lines.append(f"  {'storage 503 answers':<46}{storage.get('errors_503', 0):>6}  of {storage.get('requests', 0)} "
-                 f"requests ({storage.get('errors_503', 0) / requests:.1%}); the service retried "
-                 f"{storage.get('service_retries', 0)} (counts of killed services are partly lost)")
-    lines.append(f"  {'requests slowed by spikes':<46}{storage.get('slowed', 0):>6}  degraded flag flipped "
-                 f"{storage.get('service_degraded_changes', 0)} times")
-    lines.append(f"audit: {audit['records']} delivery records, {audit['resume_markers']} resume markers, "
-                 f"{audit['rolled_back']} uncommitted deliveries rolled back, {audit['logged_twice']} logged twice "
-                 "(re-sent after a service restart, counted once)")
+    lines.append(
+        f"  {'storage 503 answers':<46}{storage.get('errors_503', 0):>6}  of {storage.get('requests', 0)} "
+        f"requests ({storage.get('errors_503', 0) / requests:.1%}); the service retried "
+        f"{storage.get('service_retries', 0)} (counts of killed services are partly lost)"
+    )
+    lines.append(
+        f"  {'requests slowed by spikes':<46}{storage.get('slowed', 0):>6}  degraded flag flipped "
+        f"{storage.get('service_degraded_changes', 0)} times"
+    )
+    lines.append(
+        f"audit: {audit['records']} delivery records, {audit['resume_markers']} resume markers, "
+        f"{audit['rolled_back']} uncommitted deliveries rolled back, {audit['logged_twice']} logged twice "
+        "(re-sent after a service restart, counted once)"
+    )
     for report in audit["epochs"]:
         kind = "complete" if report["complete"] else "spill   "
-        lines.append(f"  epoch {report['epoch']:>3} {kind} delivered {report['delivered']:>5} of {report['samples']}, "
-                     f"duplicates {report['duplicates']}, missing {report['missing']}  "
-                     f"{'ok' if report['passed'] else 'FAILED'}")
-    lines.append(f"samples verified exactly once: {audit['samples_verified']}; replaced: {sum(audit['replaced'].values())}")
+        lines.append(
+            f"  epoch {report['epoch']:>3} {kind} delivered {report['delivered']:>5} of {report['samples']}, "
+            f"duplicates {report['duplicates']}, missing {report['missing']}  "
+            f"{'ok' if report['passed'] else 'FAILED'}"
+        )
+    lines.append(
+        f"samples verified exactly once: {audit['samples_verified']}; replaced: {sum(audit['replaced'].values())}"
+    )
     resources = verdict.resources
     if resources:
         lines.append(f"service resources ({resources['samples']} samples, 1 s apart): start / end / max")
         for scope in ("overall", "longest_lived"):
             figures = resources[scope]
-            title = "whole run" if scope == "overall" else (f"longest-lived service (start {figures['start']}, "
-                                                             f"{figures['seconds']:.0f} s)")
+            title = (
+                "whole run"
+                if scope == "overall"
+                else (f"longest-lived service (start {figures['start']}, {figures['seconds']:.0f} s)")
+            )
             lines.append(f"  {title}:")
             lines.append("    " + "; ".join(_figure(m, figures[m]) for m in ("rss", "fds", "threads", "children_rss")))
-        lines.append("  per epoch (last sample; @s: which service start): " + ", ".join(
-            f"e{r['epoch']}@s{r['start']}: {r['rss'] / 2**20:.0f} MiB/{r['fds']} fds/{r['threads']} thr"
-            for r in resources["per_epoch"]))
-    lines.append(f"leaks: /dev/shm omnifeed* segments {len(verdict.shm_leaked)}, orphan processes {len(verdict.orphans)}")
+        lines.append(
+            "  per epoch (last sample; @s: which service start): "
+            + ", ".join(
+                f"e{r['epoch']}@s{r['start']}: {r['rss'] / 2**20:.0f} MiB/{r['fds']} fds/{r['threads']} thr"
+                for r in resources["per_epoch"]
+            )
+        )
+    lines.append(
+        f"leaks: /dev/shm omnifeed* segments {len(verdict.shm_leaked)}, orphan processes {len(verdict.orphans)}"
+    )
     failures = verdict.failures()
     lines += [f"FAILED: {f}" for f in failures] or ["OK: every check passed"]
     return "\n".join(lines)

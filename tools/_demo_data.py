@@ -147,9 +147,7 @@ def encode_image(width: int, height: int, fmt: str, *, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-def encode_video(
-    frames: int, width: int, height: int, fps: int, *, codec: str = "libx264", seed: int = 0
-) -> bytes:
+def encode_video(frames: int, width: int, height: int, fps: int, *, codec: str = "libx264", seed: int = 0) -> bytes:
     """Encode ``frames`` frames of a moving picture as yuv420p MP4 (webm for VP8/VP9)."""
     if width % 2 or height % 2 or frames < 1:
         raise ValueError(f"yuv420p needs even sizes and >= 1 frame: {frames}x{width}x{height}")
@@ -167,7 +165,8 @@ def encode_video(
             # them), and its macroblock-tree lookahead gave different bytes from run to run (measured with PyAV 18)
             stream.codec_context.options = {
                 "preset": "veryfast",
-                "x264-params": "threads=1:lookahead-threads=1:sliced-threads=0:no-mbtree=1:rc-lookahead=0"}
+                "x264-params": "threads=1:lookahead-threads=1:sliced-threads=0:no-mbtree=1:rc-lookahead=0",
+            }
         for i in range(frames):
             img = np.roll(base, (i * int(dy), i * 3), axis=(0, 1))
             x0, y0 = (i * int(dx)) % (width - side), (i * 2) % (height - side)
@@ -310,9 +309,7 @@ def write_webdataset(
     return paths
 
 
-def write_parquet(
-    out_path: str | Path, spec: DemoDatasetSpec, *, samples: list[DemoSample] | None = None
-) -> Path:
+def write_parquet(out_path: str | Path, spec: DemoDatasetSpec, *, samples: list[DemoSample] | None = None) -> Path:
     """Write one Parquet file: ``__key__`` plus a column per field, null where absent."""
     samples = demo_samples(spec) if samples is None else samples
     columns = {"__key__": pa.array([s.key for s in samples], pa.string())}
@@ -330,9 +327,7 @@ def write_parquet(
     return path
 
 
-def write_folder(
-    out_dir: str | Path, spec: DemoDatasetSpec, *, samples: list[DemoSample] | None = None
-) -> Path:
+def write_folder(out_dir: str | Path, spec: DemoDatasetSpec, *, samples: list[DemoSample] | None = None) -> Path:
     """Write ``part-{j:02d}/{key}.{field}`` files, contiguous samples per part; return the root."""
     samples = demo_samples(spec) if samples is None else samples
     root = Path(out_dir)

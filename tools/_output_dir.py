@@ -35,7 +35,8 @@ def prepare_output_dir(path: Path, command: str) -> Path:
         if not (path / MARKER).is_file():
             raise ForeignDirectoryError(
                 f"{path} is not empty and was not written by omnifeed: give --out a new or empty folder "
-                "(omnifeed deletes only its own earlier output)")
+                "(omnifeed deletes only its own earlier output)"
+            )
         shutil.rmtree(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / MARKER).write_text(json.dumps({"command": command, "pid": os.getpid()}) + "\n", encoding="utf-8")
@@ -49,5 +50,7 @@ def check_cache_dir(path: Path) -> None:
     foreign = sorted(p.name for p in path.iterdir() if p.name != MARKER and not NvmeTier.is_own_file(p.name))
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ForeignDirectoryError(f"{path} holds files that are not an omnifeed cache ({shown}): give --cache a "
-                                    "new or empty folder, or one that only holds an earlier omnifeed cache")
+        raise ForeignDirectoryError(
+            f"{path} holds files that are not an omnifeed cache ({shown}): give --cache a "
+            "new or empty folder, or one that only holds an earlier omnifeed cache"
+        )

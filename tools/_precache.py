@@ -1,7 +1,8 @@
 """`omnifeed precache`, one partition's work: fill the NVMe tier with the entries the feed will look up.
 
-A task takes one index partition and, for each sample, the fields the feed reads
-(``fields_to_decode``): it skips the entries the tier already holds, reads the rest from the
+A task takes one index partition and, for each sample in the order its shard holds it (a
+Parquet file's row groups and pages in turn, so each page is decoded once), the fields the feed
+reads (``fields_to_decode``): it skips the entries the tier already holds, reads the rest from the
 origin through the remote tier (timeouts, retries) in I/O threads, decodes them when entries
 are decoded (meta fields stay raw, as the feed keeps them), and writes them in batches, one
 LMDB transaction each. A killed run keeps every committed batch; the next run skips them.
@@ -54,7 +55,9 @@ class PrecacheJob:
 
     def __post_init__(self) -> None:
         if self.batch_entries < 1 or self.batch_bytes < 1:
-            raise ValueError(f"batch_entries and batch_bytes must be positive, got {self.batch_entries}, {self.batch_bytes}")
+            raise ValueError(
+                f"batch_entries and batch_bytes must be positive, got {self.batch_entries}, {self.batch_bytes}"
+            )
         object.__setattr__(self, "index", os.path.abspath(self.index))
         object.__setattr__(self, "nvme", self.nvme.model_copy(update={"path": os.path.abspath(self.nvme.path)}))
 
@@ -169,7 +172,9 @@ class _PartitionTask:
         self.index = _open_index(job.index)
         self.start, self.stop = partition_span(self.index, partition)
         # a chain without tiers: keys and origin reads only; this task writes the tier itself, in batches
-        self.source = FieldSource(CacheConfig(remote=job.remote, entries=job.entries), self.index.fingerprint, job.decode)
+        self.source = FieldSource(
+            CacheConfig(remote=job.remote, entries=job.entries), self.index.fingerprint, job.decode
+        )
         self.tier = NvmeTier(job.nvme)
         self.threads = ThreadPoolExecutor(job.remote.io_threads, thread_name_prefix="omnifeed-precache")
         self._decoders: dict[str, Any] = {}
@@ -184,8 +189,9 @@ class _PartitionTask:
         started = time.perf_counter()
         in_flight: deque[tuple[Future[bytes], IndexedSample, FieldLocation, bytes]] = deque()
         window = 2 * self.job.remote.io_threads
-        for chunk in range(self.start, self.stop, _CHUNK_SAMPLES):
-            for sample in self.index.samples(np.arange(chunk, min(self.stop, chunk + _CHUNK_SAMPLES))):
+        order = self._in_shard_order()
+        for chunk in range(0, len(order), _CHUNK_SAMPLES):
+            for sample in self.index.samples(order[chunk : chunk + _CHUNK_SAMPLES]):
                 if self.tier.degraded is not None:
                     break
                 for _, location in fields_to_decode(sample):
@@ -193,7 +199,9 @@ class _PartitionTask:
                     if self.tier.contains(key):
                         self._count(present=1, handled_bytes=location.size)
                         continue
-                    in_flight.append((self.threads.submit(self._fetch, sample, location, modality), sample, location, key))
+                    in_flight.append(
+                        (self.threads.submit(self._fetch, sample, location, modality), sample, location, key)
+                    )
                     while len(in_flight) >= window:
                         self._collect(*in_flight.popleft())
                 if self._report_due():
@@ -207,7 +215,15 @@ class _PartitionTask:
             future.cancel()
         if self.delta:
             yield self._take_delta()
-        yield PartitionResult(self.partition, self.total, self.failures, self.tier.degraded, time.perf_counter() - started)
+        yield PartitionResult(
+            self.partition, self.total, self.failures, self.tier.degraded, time.perf_counter() - started
+        )
+
+    def _in_shard_order(self) -> np.ndarray:
+        """The partition's positions as their shards hold them (a Parquet file's rows page after page, a tar's
+        members in turn): neighbouring reads share a decoded page (``loader/index/_parquet_cells``) or a read-ahead."""
+        by_shard = self.index.by_shard
+        return np.asarray(by_shard[(by_shard >= self.start) & (by_shard < self.stop)], dtype=np.int64)
 
     def _entry(self, sample: IndexedSample, location: FieldLocation) -> tuple[bytes, str | None]:
         """The entry's key, and the modality to decode with (None: the raw bytes are the entry)."""
@@ -254,8 +270,13 @@ class _PartitionTask:
         held = self.tier.put_many(self._batch, accessed=False)
         after = self.tier.stats()
         cached = after["puts"] - before["puts"]
-        self._count(cached=cached, present=held - cached, not_held=len(self._batch) - held,
-                    stored_bytes=after["bytes_put"] - before["bytes_put"], handled_bytes=self._batch_sources)
+        self._count(
+            cached=cached,
+            present=held - cached,
+            not_held=len(self._batch) - held,
+            stored_bytes=after["bytes_put"] - before["bytes_put"],
+            handled_bytes=self._batch_sources,
+        )
         self._batch, self._batch_bytes, self._batch_sources = [], 0, 0
 
     def _count(self, **amounts: int) -> None:
@@ -275,4 +296,3 @@ class _PartitionTask:
         self.threads.shutdown(wait=False, cancel_futures=True)
         self.tier.close()
         self.source.close()
-

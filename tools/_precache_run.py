@@ -63,10 +63,20 @@ class PrecacheReport:
     def summary(self) -> dict[str, Any]:
         """The one-line JSON summary the command prints."""
         c = self.counts
-        return {"cache": self.cache, "entries": self.entries, "partitions": len(self.partitions), "nodes": self.nodes,
-                "cached": c.cached, "present": c.present, "failed": c.failed, "not_held": c.not_held,
-                "fetched_bytes": c.fetched_bytes, "stored_bytes": c.stored_bytes, "seconds": round(self.seconds, 3),
-                "fetched_bytes_per_s": round(c.fetched_bytes / self.seconds) if self.seconds > 0 else 0}
+        return {
+            "cache": self.cache,
+            "entries": self.entries,
+            "partitions": len(self.partitions),
+            "nodes": self.nodes,
+            "cached": c.cached,
+            "present": c.present,
+            "failed": c.failed,
+            "not_held": c.not_held,
+            "fetched_bytes": c.fetched_bytes,
+            "stored_bytes": c.stored_bytes,
+            "seconds": round(self.seconds, 3),
+            "fetched_bytes_per_s": round(c.fetched_bytes / self.seconds) if self.seconds > 0 else 0,
+        }
 
 
 class RunTracker:
@@ -79,8 +89,16 @@ class RunTracker:
         self.results: list[PartitionResult] = []
         self.started = time.perf_counter()
         self._shown = Counts()
-        self.bar = tqdm(total=self.total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc="precaching",
-                        disable=not progress, dynamic_ncols=True, smoothing=0.1)
+        self.bar = tqdm(
+            total=self.total_bytes,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc="precaching",
+            disable=not progress,
+            dynamic_ncols=True,
+            smoothing=0.1,
+        )
 
     def update(self, delta: Counts) -> None:
         """Progress from a running task."""
@@ -104,11 +122,21 @@ class RunTracker:
         self.bar.n = counts.handled_bytes  # progress that was still in flight when its task ended
         self.bar.set_postfix(cached=counts.cached, present=counts.present, failed=counts.failed, refresh=False)
         self.bar.close()
-        return PrecacheReport(self.job.nvme.path, self.job.entries, self.partitions, self.nodes, counts, failures,
-                              degraded, time.perf_counter() - self.started)
+        return PrecacheReport(
+            self.job.nvme.path,
+            self.job.entries,
+            self.partitions,
+            self.nodes,
+            counts,
+            failures,
+            degraded,
+            time.perf_counter() - self.started,
+        )
 
 
-def precache_local(job: PrecacheJob, partitions: Sequence[int], *, workers: int = 1, progress: bool = True) -> PrecacheReport:
+def precache_local(
+    job: PrecacheJob, partitions: Sequence[int], *, workers: int = 1, progress: bool = True
+) -> PrecacheReport:
     """Precache ``partitions`` with ``workers`` local processes (1: in this process).
 
     Raises OmnifeedError when a worker process dies (what was cached before stays cached), and when the tier's
@@ -123,7 +151,9 @@ def precache_local(job: PrecacheJob, partitions: Sequence[int], *, workers: int 
         raise OmnifeedError(f"cannot cache in {job.nvme.path}: {exc}") from None
     with tier:
         if tier.degraded is not None:
-            raise OmnifeedError(f"cannot cache in {job.nvme.path}: {tier.degraded}; give --cache a writable local directory")
+            raise OmnifeedError(
+                f"cannot cache in {job.nvme.path}: {tier.degraded}; give --cache a writable local directory"
+            )
     tracker = RunTracker(job, partitions, progress=progress)
     try:
         if workers == 1 or len(partitions) == 1:

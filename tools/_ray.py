@@ -22,8 +22,9 @@ from ._precache_run import PrecacheReport, RunTracker
 _POLL_S = 0.2
 
 
-def precache_on_ray(job: PrecacheJob, partitions: Sequence[int], *, address: str | None = None,
-                    progress: bool = True) -> PrecacheReport:
+def precache_on_ray(
+    job: PrecacheJob, partitions: Sequence[int], *, address: str | None = None, progress: bool = True
+) -> PrecacheReport:
     """Precache ``partitions`` into the tier of every alive node of the Ray cluster at ``address``.
 
     ``address`` None or "auto" joins the cluster this machine belongs to; a Ray connection this
@@ -63,8 +64,10 @@ def _next_item(ray: Any, generator: Any, running: dict[Any, tuple[str, int]], tr
         running.pop(generator)
         return
     except ray.exceptions.RayError as exc:
-        raise OmnifeedError(f"the precache task of partition {partition} on node {node} failed: "
-                            f"{type(exc).__name__}: {exc}; what it cached is kept: run the command again") from exc
+        raise OmnifeedError(
+            f"the precache task of partition {partition} on node {node} failed: "
+            f"{type(exc).__name__}: {exc}; what it cached is kept: run the command again"
+        ) from exc
     if isinstance(item, PartitionResult):
         tracker.finish(item)
     else:

@@ -90,6 +90,7 @@ def _same_run(snap: Snap, previous: Snap) -> bool:
 
 # -- formatting --------------------------------------------------------------------------------
 
+
 def _bytes(n: float | None) -> str:
     if n is None:
         return "-"
@@ -141,6 +142,7 @@ def _storage_latency(remote: Mapping[str, Any]) -> tuple[str, float | None]:
 
 # -- the table ---------------------------------------------------------------------------------
 
+
 def render_stats(snapshot: Snap, previous: Snap | None) -> str:
     """The snapshot as a table (rates over the interval since ``previous``), and a last line naming the limit.
 
@@ -181,12 +183,16 @@ def render_stats(snapshot: Snap, previous: Snap | None) -> str:
 def _header(iv: _Interval) -> str:
     service, snap = _dict(iv.snap, "service"), iv.snap
     samples_per_s = iv.rate("samples") if iv.previous is not None else _num(snap, "samples_per_s")
-    parts = [f"omnifeed  up {_duration(_num(service, 'uptime_s'))}",
-             f"clients {_count(_num(service, 'clients'))}", f"streams {_count(_num(service, 'streams'))}",
-             f"segments {_count(_num(service, 'segments'))} ({_bytes(_num(service, 'segment_bytes'))})",
-             f"samples/s {_rate(samples_per_s)}", f"batches {_count(_num(snap, 'batches'))}",
-             f"bad {_count(_num(snap, 'bad_samples'))}",
-             f"resizes {_count(_num(snap, 'resizes'))} ({_rate(_num(snap, 'resize_seconds'))} s)"]
+    parts = [
+        f"omnifeed  up {_duration(_num(service, 'uptime_s'))}",
+        f"clients {_count(_num(service, 'clients'))}",
+        f"streams {_count(_num(service, 'streams'))}",
+        f"segments {_count(_num(service, 'segments'))} ({_bytes(_num(service, 'segment_bytes'))})",
+        f"samples/s {_rate(samples_per_s)}",
+        f"batches {_count(_num(snap, 'batches'))}",
+        f"bad {_count(_num(snap, 'bad_samples'))}",
+        f"resizes {_count(_num(snap, 'resizes'))} ({_rate(_num(snap, 'resize_seconds'))} s)",
+    ]
     return "  ".join(parts)
 
 
@@ -196,9 +202,18 @@ def _modalities(iv: _Interval) -> list[str]:
         decoded_per_s = iv.rate("modalities", name, "decoded") if iv.previous is not None else _num(m, "decoded_per_s")
         bad = {str(k): v for k, v in _dict(m, "bad").items() if isinstance(v, (int, float)) and v}
         reasons = ", ".join(f"{k} {v:.0f}" for k, v in sorted(bad.items()))
-        rows.append([name, _count(_num(m, "buffer_samples")), _bytes(_num(m, "buffer_bytes")),
-                     _count(_num(m, "queued")), _rate(decoded_per_s), _ms(_num(m, "decode_latency_s", "p50")),
-                     _ms(_num(m, "decode_latency_s", "p99")), f"{sum(bad.values()):.0f} ({reasons})" if bad else "0"])
+        rows.append(
+            [
+                name,
+                _count(_num(m, "buffer_samples")),
+                _bytes(_num(m, "buffer_bytes")),
+                _count(_num(m, "queued")),
+                _rate(decoded_per_s),
+                _ms(_num(m, "decode_latency_s", "p50")),
+                _ms(_num(m, "decode_latency_s", "p99")),
+                f"{sum(bad.values()):.0f} ({reasons})" if bad else "0",
+            ]
+        )
     return _table(["modality", "buffer", "buffer bytes", "queued", "decoded/s", "p50", "p99", "bad"], rows)
 
 
@@ -208,16 +223,38 @@ def _remote(iv: _Interval) -> list[str]:
     state = "connected" if remote.get("connected") else "UNREACHABLE (local workers only)"
     rows = []
     for name, m in sorted(_dict(remote, "modalities").items()):
+
         def rate(key: str, total: str) -> float | None:
             return iv.rate("remote", "modalities", name, total) if iv.previous is not None else _num(m, key)
-        rows.append([name, f"{_count(_num(m, 'workers'))}/{_count(_num(m, 'target'))}/{_count(_num(m, 'max_workers'))}",
-                     _rate(rate("decoded_per_s", "decoded")), _rate(rate("local_per_s", "local_decoded")),
-                     _ms(_num(m, "round_trip_s", "p50")), _ms(_num(m, "round_trip_s", "p99")),
-                     _count(_num(m, "reissued")), _count(_num(m, "lost")), _bytes(_num(m, "returned_bytes"))])
-    header = ["remote", "actors up/wanted/cap", "remote/s", "local/s", "trip p50", "trip p99", "reissued", "lost",
-              "returned"]
-    return [f"Ray cluster {remote.get('address', '?')}: {state}, outages {_count(_num(remote, 'outages'))}",
-            *_table(header, rows)]
+
+        rows.append(
+            [
+                name,
+                f"{_count(_num(m, 'workers'))}/{_count(_num(m, 'target'))}/{_count(_num(m, 'max_workers'))}",
+                _rate(rate("decoded_per_s", "decoded")),
+                _rate(rate("local_per_s", "local_decoded")),
+                _ms(_num(m, "round_trip_s", "p50")),
+                _ms(_num(m, "round_trip_s", "p99")),
+                _count(_num(m, "reissued")),
+                _count(_num(m, "lost")),
+                _bytes(_num(m, "returned_bytes")),
+            ]
+        )
+    header = [
+        "remote",
+        "actors up/wanted/cap",
+        "remote/s",
+        "local/s",
+        "trip p50",
+        "trip p99",
+        "reissued",
+        "lost",
+        "returned",
+    ]
+    return [
+        f"Ray cluster {remote.get('address', '?')}: {state}, outages {_count(_num(remote, 'outages'))}",
+        *_table(header, rows),
+    ]
 
 
 def _cache(iv: _Interval) -> list[str]:
@@ -227,20 +264,27 @@ def _cache(iv: _Interval) -> list[str]:
             continue
         hits, misses = iv.delta("cache", tier, "hits"), iv.delta("cache", tier, "misses")
         lookups = (hits or 0.0) + (misses or 0.0)
-        rows.append([tier, _pct(hits / lookups if hits is not None and lookups else None),
-                     _bytes(iv.delta("cache", tier, "bytes_hit")),
-                     f"{_bytes(_num(stats, 'bytes_used'))} / {_bytes(_num(stats, 'capacity_bytes'))}",
-                     "degraded" if stats.get("degraded") else ""])
+        rows.append(
+            [
+                tier,
+                _pct(hits / lookups if hits is not None and lookups else None),
+                _bytes(iv.delta("cache", tier, "bytes_hit")),
+                f"{_bytes(_num(stats, 'bytes_used'))} / {_bytes(_num(stats, 'capacity_bytes'))}",
+                "degraded" if stats.get("degraded") else "",
+            ]
+        )
     lines = _table(["tier", "hit rate", "bytes hit", "used / capacity", ""], rows)
     remote = _dict(_dict(iv.snap, "cache"), "remote")
     key, latency = _storage_latency(remote)
     degraded = iv.snap.get("storage_degraded", remote.get("degraded"))
     bandwidth = iv.rate("cache", "remote", "bytes")
-    lines.append(f"storage  reads/s {_rate(iv.rate('cache', 'remote', 'reads'))}  "
-                 f"{_bytes(bandwidth)}/s  p50 {_ms(_num(remote, 'latency_s', 'p50'))}  {key} {_ms(latency)}  "
-                 f"p99 {_ms(_num(remote, 'latency_s', 'p99'))}  "
-                 f"errors {_count(iv.delta('cache', 'remote', 'errors'))}  "
-                 f"{'DEGRADED' if degraded else 'ok'}  read-ahead x{_count(_num(iv.snap, 'read_ahead'))}")
+    lines.append(
+        f"storage  reads/s {_rate(iv.rate('cache', 'remote', 'reads'))}  "
+        f"{_bytes(bandwidth)}/s  p50 {_ms(_num(remote, 'latency_s', 'p50'))}  {key} {_ms(latency)}  "
+        f"p99 {_ms(_num(remote, 'latency_s', 'p99'))}  "
+        f"errors {_count(iv.delta('cache', 'remote', 'errors'))}  "
+        f"{'DEGRADED' if degraded else 'ok'}  read-ahead x{_count(_num(iv.snap, 'read_ahead'))}"
+    )
     return lines
 
 
@@ -250,13 +294,25 @@ def _client_table(iv: _Interval, clients: list[Mapping[str, Any]]) -> list[str]:
         waited = iv.client_waited(c)
         dp = f"{_count(_num(c, 'dp_rank'))}/{_count(_num(c, 'dp_world_size'))}"
         share = waited / iv.seconds if waited is not None and iv.seconds else None
-        rows.append([str(c.get("client", "?")), _count(_num(c, "rank")), dp, _count(_num(c, "batches")),
-                     f"{_rate(_num(c, 'waited_s'))} s", _pct(share), _ms(_num(c, "last_wait_s"))])
-    return _table(["client", "rank", "dp", "batches", "waited", f"wait ({'interval' if iv.previous else 'all'})",
-                   "last wait"], rows)
+        rows.append(
+            [
+                str(c.get("client", "?")),
+                _count(_num(c, "rank")),
+                dp,
+                _count(_num(c, "batches")),
+                f"{_rate(_num(c, 'waited_s'))} s",
+                _pct(share),
+                _ms(_num(c, "last_wait_s")),
+            ]
+        )
+    return _table(
+        ["client", "rank", "dp", "batches", "waited", f"wait ({'interval' if iv.previous else 'all'})", "last wait"],
+        rows,
+    )
 
 
 # -- the verdict -------------------------------------------------------------------------------
+
 
 def wait_share(snapshot: Snap, previous: Snap | None) -> float | None:
     """The share of the interval the clients waited, averaged over the clients (None if unknown)."""
@@ -296,8 +352,11 @@ def _limit(iv: _Interval) -> str:
     def backlog_s(m: Mapping[str, Any]) -> float:
         return queued(m) * max(_num(m, "decode_latency_s", "p50") or 0.0, 1e-6)
 
-    backed_up = {name: m for name, m in modalities.items()
-                 if queued(m) >= QUEUE_BACKED_UP and (_num(m, "buffer_samples") or 0.0) < queued(m)}
+    backed_up = {
+        name: m
+        for name, m in modalities.items()
+        if queued(m) >= QUEUE_BACKED_UP and (_num(m, "buffer_samples") or 0.0) < queued(m)
+    }
     starved = sorted(name for name, m in modalities.items() if _num(m, "buffer_samples") == 0)
     reads = iv.delta("cache", "remote", "reads")
     _, storage_latency = _storage_latency(remote)
@@ -307,8 +366,11 @@ def _limit(iv: _Interval) -> str:
 
     # A starved modality whose reads are fast next to its decoding is decode-bound too: its workers are all
     # busy (local files are read inside the decode task, so nothing shows as queued).
-    busy = {name: modalities[name] for name in starved
-            if reads and not degraded and decode_p50(name) > (storage_latency or 0.0)}
+    busy = {
+        name: modalities[name]
+        for name in starved
+        if reads and not degraded and decode_p50(name) > (storage_latency or 0.0)
+    }
     candidates = {**busy, **backed_up}
     if candidates:  # the one with the most decoding pending: (queued + the one in hand) × its decode time
         name = max(candidates, key=lambda n: (queued(candidates[n]) + 1) * max(decode_p50(n), 1e-6))
@@ -318,8 +380,10 @@ def _limit(iv: _Interval) -> str:
             buffer = "buffer empty" if not ready else f"buffer {ready:.0f}"
             also = "; storage degraded too" if degraded else ""
             return f"{name} decode (queue {queued(m):.0f}, {buffer}, p50 {_ms(decode_p50(name))}){also}"
-        return (f"{name} decode (buffer empty, queue {queued(m):.0f}, p50 {_ms(decode_p50(name))} against "
-                f"storage {_ms(storage_latency or 0.0)}: give {name} more workers or processes)")
+        return (
+            f"{name} decode (buffer empty, queue {queued(m):.0f}, p50 {_ms(decode_p50(name))} against "
+            f"storage {_ms(storage_latency or 0.0)}: give {name} more workers or processes)"
+        )
     if degraded or (starved and reads):
         key, latency = _storage_latency(remote)
         detail = [f"remote {key} {_ms(latency)}"]

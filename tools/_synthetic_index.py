@@ -34,8 +34,9 @@ def media_tar(work: Path) -> Path:
         with open(partial, "wb") as f, webdataset.TarWriter(f, encoder=False) as out:
             for i in range(MEMBERS):
                 caption = f"a small procedural picture, number {i}, with a gradient and a few shapes"
-                out.write({"__key__": f"m-{i:02d}", "jpg": encode_image(256, 192, "jpg", seed=i),
-                           "txt": caption.encode()})
+                out.write(
+                    {"__key__": f"m-{i:02d}", "jpg": encode_image(256, 192, "jpg", seed=i), "txt": caption.encode()}
+                )
         partial.rename(tar)
     return tar
 
@@ -59,9 +60,11 @@ def repeated_tables(template: pa.Table, rows: int, chunk: int = 50_000) -> Itera
     for start in range(0, rows, chunk):
         n = min(chunk, rows - start)
         table = template.take(pa.array(np.arange(start, start + n) % template.num_rows))
-        for name, values in (("key", pa.array([f"sample-{i:010d}" for i in range(start, start + n)])),
-                             ("shard_row", pa.array(np.arange(start, start + n, dtype=np.int64))),
-                             ("row_digest", pa.array(rng.integers(0, 2**63, n).astype(np.uint64)))):
+        for name, values in (
+            ("key", pa.array([f"sample-{i:010d}" for i in range(start, start + n)])),
+            ("shard_row", pa.array(np.arange(start, start + n, dtype=np.int64))),
+            ("row_digest", pa.array(rng.integers(0, 2**63, n).astype(np.uint64))),
+        ):
             table = table.set_column(ROW_SCHEMA.get_field_index(name), ROW_SCHEMA.field(name), values)
         yield table
 
@@ -70,8 +73,11 @@ def make_index(work: Path, rows: int) -> tuple[Path, dict[str, Any]]:
     """The ``rows``-sample index under ``work`` (built once, then reused) and how it was had."""
     out = work / f"index-{rows}"
     manifest = out / "manifest.json"
-    if (manifest.is_file() and json.loads(manifest.read_text())["num_samples"] == rows
-            and all(Path(shard.url).is_file() for shard in SampleIndex(out).shards)):  # not moved since
+    if (
+        manifest.is_file()
+        and json.loads(manifest.read_text())["num_samples"] == rows
+        and all(Path(shard.url).is_file() for shard in SampleIndex(out).shards)
+    ):  # not moved since
         return out, {"cached": True}
     template, shard, size = template_rows(work)
     started = time.perf_counter()

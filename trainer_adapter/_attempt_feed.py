@@ -56,9 +56,17 @@ class AttemptFeed(Feed):
     `Feed` writes them (no attempts). Other arguments are `Feed`'s.
     """
 
-    def __init__(self, index: SampleIndex | str | Path, config: FeedConfig | None = None, *, world_size: int = 1,
-                 rank: int = 0, grad_accum: int = 1, audit_log: str | Path | None = None,
-                 round_token: str | None = None) -> None:
+    def __init__(
+        self,
+        index: SampleIndex | str | Path,
+        config: FeedConfig | None = None,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        grad_accum: int = 1,
+        audit_log: str | Path | None = None,
+        round_token: str | None = None,
+    ) -> None:
         super().__init__(index, config, world_size=world_size, rank=rank, grad_accum=grad_accum)
         self._log: IO[str] | None = open_audit_log(audit_log) if audit_log else None
         if round_token is None and world_size == 1:

@@ -42,7 +42,6 @@ from omnifeed.loader.service import (
     ServiceUnavailableError,
     check_reply,
     connect,
-    decode,
     default_socket,
     receive,
     send,
@@ -71,10 +70,21 @@ class FeedClient:
     user's own); anything else raises `omnifeed.loader.service.UntrustedServiceError`.
     """
 
-    def __init__(self, address: str | None = None, *, rank: int = 0, world_size: int = 1, dp_rank: int | None = None,
-                 dp_world_size: int | None = None, grad_accum: int = 1, index_fingerprint: str | None = None,
-                 reconnect_timeout_s: float = 300.0, request_timeout_s: float | None = None,
-                 lr_rule: LrRule = "linear", trusted_uid: int | None = None) -> None:
+    def __init__(
+        self,
+        address: str | None = None,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        dp_rank: int | None = None,
+        dp_world_size: int | None = None,
+        grad_accum: int = 1,
+        index_fingerprint: str | None = None,
+        reconnect_timeout_s: float = 300.0,
+        request_timeout_s: float | None = None,
+        lr_rule: LrRule = "linear",
+        trusted_uid: int | None = None,
+    ) -> None:
         self.address = address or default_socket()
         self.trusted_uid = trusted_uid
         self._set_topology(rank, world_size, dp_rank, dp_world_size, grad_accum)
@@ -97,21 +107,36 @@ class FeedClient:
         self._told_busy = False
         self._closed = False
 
-    def _set_topology(self, rank: int, world_size: int, dp_rank: int | None, dp_world_size: int | None,
-                      grad_accum: int) -> None:
+    def _set_topology(
+        self, rank: int, world_size: int, dp_rank: int | None, dp_world_size: int | None, grad_accum: int
+    ) -> None:
         dp_world_size = world_size if dp_world_size is None else dp_world_size
         dp_rank = rank if dp_rank is None else dp_rank
-        if not 0 <= dp_rank < dp_world_size or not 0 <= rank < world_size or world_size % dp_world_size or grad_accum < 1:
-            raise ValueError(f"rank {rank} of {world_size}, data-parallel rank {dp_rank} of {dp_world_size}, "
-                             f"accumulation {grad_accum}: ranks must be inside their world sizes, the world a "
-                             "multiple of the data-parallel size, accumulation at least 1")
+        if (
+            not 0 <= dp_rank < dp_world_size
+            or not 0 <= rank < world_size
+            or world_size % dp_world_size
+            or grad_accum < 1
+        ):
+            raise ValueError(
+                f"rank {rank} of {world_size}, data-parallel rank {dp_rank} of {dp_world_size}, "
+                f"accumulation {grad_accum}: ranks must be inside their world sizes, the world a "
+                "multiple of the data-parallel size, accumulation at least 1"
+            )
         self.rank, self.world_size, self.dp_rank, self.dp_world_size = rank, world_size, dp_rank, dp_world_size
         self.grad_accum = grad_accum
 
     @classmethod
-    def from_torchrun_env(cls, address: str | None = None, *, config: ServiceConfig | str | Path | None = None,
-                          tensor_parallel: int = 1, grad_accum: int = 1, lr_rule: LrRule = "linear",
-                          **options: Any) -> FeedClient:
+    def from_torchrun_env(
+        cls,
+        address: str | None = None,
+        *,
+        config: ServiceConfig | str | Path | None = None,
+        tensor_parallel: int = 1,
+        grad_accum: int = 1,
+        lr_rule: LrRule = "linear",
+        **options: Any,
+    ) -> FeedClient:
         """A client for this torchrun worker: ``WORLD_SIZE``, ``RANK`` (and ``LOCAL_RANK``) from the environment.
 
         Ranks ``tensor_parallel`` apart in a row form one data-parallel rank (peers get the same
@@ -124,20 +149,47 @@ class FeedClient:
         try:
             world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
         except KeyError as exc:
-            raise RuntimeError(f"{exc.args[0]} is not set: run under torchrun, or build FeedClient(rank=, world_size=)") from None
+            raise RuntimeError(
+                f"{exc.args[0]} is not set: run under torchrun, or build FeedClient(rank=, world_size=)"
+            ) from None
         if world % tensor_parallel:
             raise ValueError(f"WORLD_SIZE {world} is not a multiple of tensor_parallel {tensor_parallel}")
         dp_rank, dp_world = rank // tensor_parallel, world // tensor_parallel
         if config is not None:
-            return cls.in_process(config, rank=rank, world_size=world, dp_rank=dp_rank, dp_world_size=dp_world,
-                                  grad_accum=grad_accum, lr_rule=lr_rule, round_token=torchrun_round(os.environ))
-        return cls(address, rank=rank, world_size=world, dp_rank=dp_rank, dp_world_size=dp_world,
-                   grad_accum=grad_accum, lr_rule=lr_rule, **options)
+            return cls.in_process(
+                config,
+                rank=rank,
+                world_size=world,
+                dp_rank=dp_rank,
+                dp_world_size=dp_world,
+                grad_accum=grad_accum,
+                lr_rule=lr_rule,
+                round_token=torchrun_round(os.environ),
+            )
+        return cls(
+            address,
+            rank=rank,
+            world_size=world,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world,
+            grad_accum=grad_accum,
+            lr_rule=lr_rule,
+            **options,
+        )
 
     @classmethod
-    def in_process(cls, config: ServiceConfig | str | Path, *, rank: int = 0, world_size: int = 1,
-                   dp_rank: int | None = None, dp_world_size: int | None = None, grad_accum: int = 1,
-                   lr_rule: LrRule = "linear", round_token: str | None = None) -> FeedClient:
+    def in_process(
+        cls,
+        config: ServiceConfig | str | Path,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        dp_rank: int | None = None,
+        dp_world_size: int | None = None,
+        grad_accum: int = 1,
+        lr_rule: LrRule = "linear",
+        round_token: str | None = None,
+    ) -> FeedClient:
         """The same interface over a feed in this process (tests, single-process jobs): no service needed.
 
         Its audit log has the service's attempts and resume markers (`AttemptFeed`); ``round_token``
@@ -145,11 +197,24 @@ class FeedClient:
         client its own attempt with one data-parallel rank, no attempts with several).
         """
         config = config if isinstance(config, ServiceConfig) else ServiceConfig.from_yaml(config)
-        client = cls(config.socket, rank=rank, world_size=world_size, dp_rank=dp_rank, dp_world_size=dp_world_size,
-                     grad_accum=grad_accum, lr_rule=lr_rule)
-        client._feed = AttemptFeed(config.index, config.feed, world_size=client.dp_world_size, rank=client.dp_rank,
-                                   grad_accum=grad_accum, round_token=round_token,
-                                   audit_log=config.audit_log if client.rank == client._first_peer() else None)
+        client = cls(
+            config.socket,
+            rank=rank,
+            world_size=world_size,
+            dp_rank=dp_rank,
+            dp_world_size=dp_world_size,
+            grad_accum=grad_accum,
+            lr_rule=lr_rule,
+        )
+        client._feed = AttemptFeed(
+            config.index,
+            config.feed,
+            world_size=client.dp_world_size,
+            rank=client.dp_rank,
+            grad_accum=grad_accum,
+            round_token=round_token,
+            audit_log=config.audit_log if client.rank == client._first_peer() else None,
+        )
         return client
 
     def _first_peer(self) -> int:
@@ -171,16 +236,27 @@ class FeedClient:
         """Micro-batches this rank receives in the epoch in progress from here (what ``iter(client)`` yields).
 
         At an epoch's start, the whole epoch's share. The service plans the rest of the epoch (no data read).
+        Before the first batch is asked for, the question goes over a connection of its own that says no hello:
+        asking the length opens no stream, so the service starts producing nothing for this rank.
         """
         if self._feed is not None:
             return len(self._feed)
         deadline = time.monotonic() + self.reconnect_timeout_s
+        request = {
+            "op": "length",
+            "state": self._state,
+            "dp_world_size": self.dp_world_size,
+            "grad_accum": self.grad_accum,
+        }
         while True:
             try:
-                sock = self._connected(deadline)
-                send(sock, {"op": "length", "state": self._state, "dp_world_size": self.dp_world_size,
-                            "grad_accum": self.grad_accum})
-                reply = check_reply(receive(sock, MAX_REPLY_BYTES)[0], "length")
+                if self._sock is not None:
+                    send(self._sock, request)
+                    reply = check_reply(receive(self._sock, MAX_REPLY_BYTES)[0], "length")
+                else:
+                    with connect(self.address, self.request_timeout_s, self.trusted_uid) as sock:
+                        send(sock, request)
+                        reply = check_reply(receive(sock, MAX_REPLY_BYTES)[0], "length")
             except (OSError, EOFError, ServiceError) as exc:
                 self._lost(exc, deadline)
                 continue
@@ -231,11 +307,21 @@ class FeedClient:
     def _hello(self) -> socket.socket:
         sock = connect(self.address, self.request_timeout_s, self.trusted_uid)
         try:
-            hello = {"op": "hello", "protocol": PROTOCOL, "pid": os.getpid(), "rank": self.rank,
-                     "world_size": self.world_size, "dp_rank": self.dp_rank, "dp_world_size": self.dp_world_size,
-                     "grad_accum": self.grad_accum, "state": self._state,
-                     "resume": self._resumed_from, "attempt": self._attempt, "token": self._token,
-                     "index_fingerprint": self.index_fingerprint}
+            hello = {
+                "op": "hello",
+                "protocol": PROTOCOL,
+                "pid": os.getpid(),
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "dp_rank": self.dp_rank,
+                "dp_world_size": self.dp_world_size,
+                "grad_accum": self.grad_accum,
+                "state": self._state,
+                "resume": self._resumed_from,
+                "attempt": self._attempt,
+                "token": self._token,
+                "index_fingerprint": self.index_fingerprint,
+            }
             try:
                 send(sock, hello)
             except (BrokenPipeError, ConnectionResetError):
@@ -271,19 +357,26 @@ class FeedClient:
             nothing = isinstance(exc, (FileNotFoundError, ConnectionRefusedError))
             if nothing and now - self._first_failure >= _NO_SERVICE_S:
                 what = "no such socket" if isinstance(exc, FileNotFoundError) else "nothing listens on that socket"
-                raise ServiceUnavailableError(f"no omnifeed service at {self.address} ({what}); {start}, or point "
-                                              "the client at the socket a service serves") from None
+                raise ServiceUnavailableError(
+                    f"no omnifeed service at {self.address} ({what}); {start}, or point "
+                    "the client at the socket a service serves"
+                ) from None
         if now > deadline:
             if isinstance(exc, ServiceError) and exc.code == "busy":
-                raise ServiceUnavailableError(f"the omnifeed service at {self.address} stayed busy for "
-                                              f"{self.reconnect_timeout_s:.0f} s ({exc}); raise max_clients in its "
-                                              "config or close the connections it holds") from None
-            raise ServiceUnavailableError(f"no omnifeed service at {self.address} for {self.reconnect_timeout_s:.0f} "
-                                          f"s ({type(exc).__name__}: {exc}); {start}") from exc
+                raise ServiceUnavailableError(
+                    f"the omnifeed service at {self.address} stayed busy for "
+                    f"{self.reconnect_timeout_s:.0f} s ({exc}); raise max_clients in its "
+                    "config or close the connections it holds"
+                ) from None
+            raise ServiceUnavailableError(
+                f"no omnifeed service at {self.address} for {self.reconnect_timeout_s:.0f} "
+                f"s ({type(exc).__name__}: {exc}); {start}"
+            ) from exc
         if isinstance(exc, ServiceError) and exc.code == "busy" and not self._told_busy:
             self._told_busy = True
-            log.warning("omnifeed service at %s is busy (%s); retrying for up to %.0f s", self.address, exc,
-                        deadline - now)
+            log.warning(
+                "omnifeed service at %s is busy (%s); retrying for up to %.0f s", self.address, exc, deadline - now
+            )
         self.reconnects += 1
         delay = min(2.0, 0.05 * 2 ** min(self.reconnects, 6))
         if not self._reached and self._first_failure is not None:  # give up on time, not one backoff late
@@ -333,8 +426,15 @@ class FeedClient:
             return None
         return self._hints(*saved)
 
-    def resize(self, world_size: int, rank: int, *, dp_world_size: int | None = None, dp_rank: int | None = None,
-               grad_accum: int | None = None) -> TopologyHints:
+    def resize(
+        self,
+        world_size: int,
+        rank: int,
+        *,
+        dp_world_size: int | None = None,
+        dp_rank: int | None = None,
+        grad_accum: int | None = None,
+    ) -> TopologyHints:
         """Continue at another world size (at a step boundary; else `FeedError`): what it means, as hints.
 
         Batches already taken stay valid. Later batches are this rank's share of the rest of
@@ -342,8 +442,10 @@ class FeedClient:
         """
         state = self.state_dict()
         if state["accum_done"]:
-            raise FeedError(f"resize at a step boundary: {state['accum_done']} of {self.grad_accum} micro-batches of "
-                            f"step {state['plan']['step']} are delivered; finish the step first")
+            raise FeedError(
+                f"resize at a step boundary: {state['accum_done']} of {self.grad_accum} micro-batches of "
+                f"step {state['plan']['step']} are delivered; finish the step first"
+            )
         previous = (self.dp_world_size, self.grad_accum)
         self._set_topology(rank, world_size, dp_rank, dp_world_size, grad_accum or self.grad_accum)
         if self._feed is not None:
@@ -360,9 +462,13 @@ class FeedClient:
             assert self._plan_shape is not None
             batch_size, budget = self._plan_shape
         return topology_hints(
-            world_size=self.dp_world_size, previous_world_size=previous_world_size, grad_accum=self.grad_accum,
-            previous_grad_accum=previous_grad_accum, topology_version=int(self.state_dict()["plan"]["topology_version"]),
-            micro_batch_samples=None if budget is not None else batch_size, micro_batch_cost=budget,
+            world_size=self.dp_world_size,
+            previous_world_size=previous_world_size,
+            grad_accum=self.grad_accum,
+            previous_grad_accum=previous_grad_accum,
+            topology_version=int(self.state_dict()["plan"]["topology_version"]),
+            micro_batch_samples=None if budget is not None else batch_size,
+            micro_batch_cost=budget,
             lr_rule=self.lr_rule,
         )
 
@@ -407,4 +513,3 @@ def _raise_refusal(sock: socket.socket) -> None:
         return
     if reply["op"] == "error":
         check_reply(reply, "welcome")  # raises it as a ServiceError
-

@@ -24,7 +24,9 @@ class TopologyHints:
     topology_version: int
     global_batch_samples: int | None  # samples per step after the change (None: cost-budget batches vary)
     global_batch_cost: float | None  # cost units (e.g. tokens) per step after the change; None for fixed-size batches
-    keep_global_batch_grad_accum: int | None  # accumulation that keeps the previous global batch (None: not a whole number)
+    keep_global_batch_grad_accum: (
+        int | None
+    )  # accumulation that keeps the previous global batch (None: not a whole number)
     lr_rule: LrRule
     lr_scale: float  # multiply the learning rate by this for the new global batch under ``lr_rule``
 
@@ -33,9 +35,17 @@ class TopologyHints:
         return asdict(self)
 
 
-def topology_hints(*, world_size: int, previous_world_size: int, grad_accum: int, previous_grad_accum: int,
-                   topology_version: int, micro_batch_samples: int | None, micro_batch_cost: float | None,
-                   lr_rule: LrRule = "linear") -> TopologyHints:
+def topology_hints(
+    *,
+    world_size: int,
+    previous_world_size: int,
+    grad_accum: int,
+    previous_grad_accum: int,
+    topology_version: int,
+    micro_batch_samples: int | None,
+    micro_batch_cost: float | None,
+    lr_rule: LrRule = "linear",
+) -> TopologyHints:
     """The hints of going from ``previous_world_size × previous_grad_accum`` to ``world_size × grad_accum``."""
     if lr_rule not in ("linear", "sqrt", "none"):
         raise ValueError(f"lr_rule must be 'linear', 'sqrt' or 'none', got {lr_rule!r}")
@@ -44,11 +54,16 @@ def topology_hints(*, world_size: int, previous_world_size: int, grad_accum: int
     scale = ratio if lr_rule == "linear" else math.sqrt(ratio) if lr_rule == "sqrt" else 1.0
     keep = before // world_size if before % world_size == 0 else None
     return TopologyHints(
-        world_size=world_size, previous_world_size=previous_world_size, grad_accum=grad_accum,
-        previous_grad_accum=previous_grad_accum, topology_version=topology_version,
+        world_size=world_size,
+        previous_world_size=previous_world_size,
+        grad_accum=grad_accum,
+        previous_grad_accum=previous_grad_accum,
+        topology_version=topology_version,
         global_batch_samples=None if micro_batch_samples is None else after * micro_batch_samples,
         global_batch_cost=None if micro_batch_cost is None else after * micro_batch_cost,
-        keep_global_batch_grad_accum=keep, lr_rule=lr_rule, lr_scale=scale,
+        keep_global_batch_grad_accum=keep,
+        lr_rule=lr_rule,
+        lr_scale=scale,
     )
 
 

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 
     import torch
 
+
 def _counts_available() -> bool:
     import torch
 
@@ -85,8 +86,9 @@ class SegmentView:
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
         if (slot, generation) != (self.slot, self.generation):
-            raise ProtocolError(f"a tensor reference to segment {slot}/{generation} in a batch of "
-                                f"{self.slot}/{self.generation}")
+            raise ProtocolError(
+                f"a tensor reference to segment {slot}/{generation} in a batch of {self.slot}/{self.generation}"
+            )
         typed = self._view_as(dtype)
         itemsize = typed.element_size()
         strides, numel = [], 1
@@ -133,8 +135,12 @@ class KeptSegment:
     def _counts(self, made: int = 0) -> tuple[Any, ...]:
         """What refers to the segment: ``made`` of its storage's users are the frame's own tensors outside the layout."""
         tensors = self._tensors
-        return (self._use_count(self._pointer) - made, sys.getrefcount(self._storage),
-                [sys.getrefcount(t) for t in tensors], [t._use_count() for t in tensors])  # type: ignore[attr-defined]
+        return (
+            self._use_count(self._pointer) - made,
+            sys.getrefcount(self._storage),
+            [sys.getrefcount(t) for t in tensors],
+            [t._use_count() for t in tensors],  # type: ignore[attr-defined]
+        )
 
     def _intact(self) -> bool:
         """No tensor of the segment was changed in place (data or shape) or set to require grad."""
@@ -152,7 +158,8 @@ class KeptSegment:
             return tensor
 
         template, tensors = build_template(entries, make)
-        del make, reuse
+        reuse.clear()  # drop the old tensors this build did not take over
+        del make
         self._refs = [ref for _, ref in entries if ref is not None]
         self.layout, self._template, self._tensors = layout, template, tuple(tensors)
         self._floating = tuple(t for t in tensors if t.is_floating_point())

@@ -35,13 +35,24 @@ def check_rank(world_size: int, rank: int) -> None:
 class ElasticBatchSampler(Sampler[list[int]]):
     """This rank's micro-batches of a plan shared by every rank, with exact resume and resize."""
 
-    def __init__(self, num_samples: int, batch_size: int, *, world_size: int, rank: int, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = False, fingerprint: str | None = None) -> None:
+    def __init__(
+        self,
+        num_samples: int,
+        batch_size: int,
+        *,
+        world_size: int,
+        rank: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        fingerprint: str | None = None,
+    ) -> None:
         check_rank(world_size, rank)
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-        config = PlanConfig(seed=seed, batch_size=batch_size, shuffle="permutation" if shuffle else "none",
-                            drop_last=drop_last)
+        config = PlanConfig(
+            seed=seed, batch_size=batch_size, shuffle="permutation" if shuffle else "none", drop_last=drop_last
+        )
         self.plan = Plan(num_samples, config, index_fingerprint=fingerprint or f"samples:{num_samples}")
         self.batch_size = batch_size
         self.drop_last = drop_last

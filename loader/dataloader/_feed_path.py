@@ -17,14 +17,25 @@ from typing import Any
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory
 
-from ..feed._feed import Feed
 from ..feed._config import FeedConfig
+from ..feed._feed import Feed
 from ..index._sample_index import SampleIndex
 
 _TORCH_DEFAULTS: dict[str, Any] = {
-    "batch_size": 1, "shuffle": None, "sampler": None, "batch_sampler": None, "num_workers": 0, "collate_fn": None,
-    "drop_last": False, "timeout": 0, "worker_init_fn": None, "multiprocessing_context": None, "generator": None,
-    "prefetch_factor": None, "persistent_workers": False, "in_order": True,
+    "batch_size": 1,
+    "shuffle": None,
+    "sampler": None,
+    "batch_sampler": None,
+    "num_workers": 0,
+    "collate_fn": None,
+    "drop_last": False,
+    "timeout": 0,
+    "worker_init_fn": None,
+    "multiprocessing_context": None,
+    "generator": None,
+    "prefetch_factor": None,
+    "persistent_workers": False,
+    "in_order": True,
 }
 
 
@@ -33,11 +44,15 @@ def is_index(dataset: Any, feed_config: FeedConfig | None) -> bool:
     return feed_config is not None or isinstance(dataset, (SampleIndex, os.PathLike))
 
 
-def open_feed(dataset: Any, feed_config: FeedConfig | None, world_size: int | None, rank: int | None,
-              torch_args: dict[str, Any]) -> Feed:
+def open_feed(
+    dataset: Any, feed_config: FeedConfig | None, world_size: int | None, rank: int | None, torch_args: dict[str, Any]
+) -> Feed:
     """The feed of an index given to ``DataLoader``; ``ValueError`` for torch arguments it cannot take."""
-    changed = [name for name, default in _TORCH_DEFAULTS.items()
-               if torch_args[name] != default and not (name == "shuffle" and torch_args[name] is False)]
+    changed = [
+        name
+        for name, default in _TORCH_DEFAULTS.items()
+        if torch_args[name] != default and not (name == "shuffle" and torch_args[name] is False)
+    ]
     if changed:
         raise ValueError(
             f"with an omnifeed index, batching, shuffling and decode workers come from feed_config "
@@ -46,7 +61,9 @@ def open_feed(dataset: Any, feed_config: FeedConfig | None, world_size: int | No
     if (world_size is None) != (rank is None):
         raise ValueError("give both world_size= and rank= (or neither, for one rank)")
     if not isinstance(dataset, (SampleIndex, str, os.PathLike)):
-        raise TypeError(f"feed_config needs an omnifeed index (a SampleIndex or its directory), got {type(dataset).__name__}")
+        raise TypeError(
+            f"feed_config needs an omnifeed index (a SampleIndex or its directory), got {type(dataset).__name__}"
+        )
     index = dataset if isinstance(dataset, SampleIndex) else SampleIndex(Path(dataset))
     return Feed(index, feed_config or FeedConfig(), world_size=world_size or 1, rank=rank or 0)
 
@@ -55,8 +72,10 @@ def feed_steps_left(feed: Feed) -> int:
     """This rank's batches left in the feed's epoch in progress (fixed-size batches only)."""
     plan = feed.plan
     if plan.bucketing is not None:
-        raise TypeError("len() is unknown with bucketing: micro-batches are filled to a cost budget, so their "
-                        "number is only known once the epoch is planned; count steps with the plan instead")
+        raise TypeError(
+            "len() is unknown with bucketing: micro-batches are filled to a cost budget, so their "
+            "number is only known once the epoch is planned; count steps with the plan instead"
+        )
     n, b = plan.num_samples, plan.config.batch_size
     per_epoch = n // b if plan.config.drop_last else -(-n // b)
     state = feed.state_dict()
@@ -67,8 +86,11 @@ def feed_steps_left(feed: Feed) -> int:
 def feed_batches(feed: Feed, pin: bool) -> Iterator[dict[str, Any]]:
     """The feed's batches of one epoch, pinned when asked and an accelerator exists (torch's warning otherwise)."""
     if pin and not torch.accelerator.is_available():
-        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
-                      "then device pinned memory won't be used.", stacklevel=3)
+        warnings.warn(
+            "'pin_memory' argument is set as true but no accelerator is found, "
+            "then device pinned memory won't be used.",
+            stacklevel=3,
+        )
         pin = False
     batches = iter(feed)
     if not pin:

@@ -33,9 +33,19 @@ def restore_ended_iterator(dataset: Any, state: Mapping[str, Any]) -> None:
 class BatchFetcher:
     """Fetches and collates batches of one dataset replica (in a worker or the main process)."""
 
-    def __init__(self, dataset: Any, *, iterable: bool, auto_collation: bool, collate_fn: Callable[[Any], Any],
-                 drop_last: bool, state: Mapping[str, Any] | None = None, ended: bool = False,
-                 in_worker: bool = False, ended_iterator: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        iterable: bool,
+        auto_collation: bool,
+        collate_fn: Callable[[Any], Any],
+        drop_last: bool,
+        state: Mapping[str, Any] | None = None,
+        ended: bool = False,
+        in_worker: bool = False,
+        ended_iterator: Mapping[str, Any] | None = None,
+    ) -> None:
         self.dataset = dataset
         self.iterable = iterable
         self.auto_collation = auto_collation
@@ -101,7 +111,9 @@ class BatchFetcher:
         own_iterator = iterator is self.dataset  # its state is stored once, as the iterator's
         # a copy: a state_dict() may return the dataset's live objects, which later batches change before the
         # reply carrying it is pickled (a worker's queue pickles in a background thread)
-        return copy.deepcopy({
-            "dataset": self.dataset.state_dict() if has_state(self.dataset) and not own_iterator else None,
-            "iterator": iterator.state_dict() if iterator is not None and has_state(iterator) else None,  # type: ignore[attr-defined]
-        })
+        return copy.deepcopy(
+            {
+                "dataset": self.dataset.state_dict() if has_state(self.dataset) and not own_iterator else None,
+                "iterator": iterator.state_dict() if iterator is not None and has_state(iterator) else None,  # type: ignore[attr-defined]
+            }
+        )

@@ -43,8 +43,9 @@ def slots_per_worker(prefetch_factor: int) -> int:
 
 def _slot_array(obj: object) -> bool:
     if type(obj) is torch.Tensor:
-        return (obj.layout is torch.strided and obj.device.type == "cpu" and not obj.requires_grad
-                and not obj.is_quantized)
+        return (
+            obj.layout is torch.strided and obj.device.type == "cpu" and not obj.requires_grad and not obj.is_quantized
+        )
     return type(obj) is np.ndarray and not obj.dtype.hasobject
 
 
@@ -120,9 +121,9 @@ class SlotWriter:
         for array, offset in pickler.arrays:
             if isinstance(array, torch.Tensor):
                 nbytes = array.numel() * array.element_size()
-                as_tensor[offset:offset + nbytes].view(array.dtype).view(array.shape).copy_(array)
+                as_tensor[offset : offset + nbytes].view(array.dtype).view(array.shape).copy_(array)
             else:
-                np.copyto(as_array[offset:offset + array.nbytes].view(array.dtype).reshape(array.shape), array)
+                np.copyto(as_array[offset : offset + array.nbytes].view(array.dtype).reshape(array.shape), array)
         self._flags[self._first + slot] = 1
         return PackedBatch(slot, storage, buffer.getvalue())
 
@@ -160,9 +161,9 @@ class _SlotUnpickler(pickle.Unpickler):
         if kind == "tensor":
             if self._as_tensor is None:
                 self._as_tensor = torch.from_numpy(self._lease)
-            array: Any = self._as_tensor[offset:offset + nbytes].view(dtype).view(shape)
+            array: Any = self._as_tensor[offset : offset + nbytes].view(dtype).view(shape)
         else:
-            array = self._lease[offset:offset + nbytes].view(np.dtype(dtype)).reshape(shape)
+            array = self._lease[offset : offset + nbytes].view(np.dtype(dtype)).reshape(shape)
         self._loaded[pid] = array
         return array
 

@@ -57,17 +57,25 @@ def draw_base_seed(generator: torch.Generator | None) -> int:
 def _pin_memory_settings(settings: LoaderSettings) -> tuple[bool, str | None]:
     """Whether and where to pin, with torch's warnings."""
     if settings.pin_memory and settings.pin_memory_device:
-        warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as the device,"
-                      f"ignore pin_memory_device='{settings.pin_memory_device}'.", stacklevel=4)
+        warnings.warn(
+            "pin_memory_device is deprecated, the current accelerator will be used as the device,"
+            f"ignore pin_memory_device='{settings.pin_memory_device}'.",
+            stacklevel=4,
+        )
     if settings.pin_memory and not torch.accelerator.is_available():
-        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, "
-                      "then device pinned memory won't be used.", stacklevel=4)
+        warnings.warn(
+            "'pin_memory' argument is set as true but no accelerator is found, "
+            "then device pinned memory won't be used.",
+            stacklevel=4,
+        )
     pin = settings.pin_memory and torch.accelerator.is_available()
     accelerator = torch.accelerator.current_accelerator() if pin else None
     device = accelerator.type if accelerator is not None else None
     if device == "mps":
-        warnings.warn("'pin_memory' argument is set as true but not supported on MPS now, "
-                      "device pinned memory won't be used.", stacklevel=4)
+        warnings.warn(
+            "'pin_memory' argument is set as true but not supported on MPS now, device pinned memory won't be used.",
+            stacklevel=4,
+        )
         return False, None
     return pin, device
 
@@ -96,8 +104,11 @@ class LoaderIterator:
         # the dataset objects live on into the next epoch (main process, persistent workers), carrying their state
         self._dataset_outlives_epoch = self._num_workers == 0 or settings.persistent_workers
         # persistent workers keep their base seed across epochs: torch draws none for a later epoch
-        kept = resume.base_seed if resume is not None and resume.status == "finished" and settings.persistent_workers \
+        kept = (
+            resume.base_seed
+            if resume is not None and resume.status == "finished" and settings.persistent_workers
             else None
+        )
         self._every = settings.snapshot_every_n_steps
         self.progress = self._begin(resume, kept)
 
@@ -112,16 +123,22 @@ class LoaderIterator:
         self.ended_iterators: list[Any] = []  # per worker: the iterator state a loaded epoch ended in
         workers = self._num_workers
         if resume is not None and resume.status == "running":
-            refetch = self._iterable and resume.yielded + resume.since_snapshot > 0 and all(s is None for s in resume.datasets)
+            refetch = (
+                self._iterable
+                and resume.yielded + resume.since_snapshot > 0
+                and all(s is None for s in resume.datasets)
+            )
             if not refetch:
                 self._stream.begin(consumed=resume.consumed, replay=resume.replay, snapshot=resume.snapshot)
                 resume.replay = self._stream.replay
                 self._skip_batches, resume.since_snapshot = resume.since_snapshot, 0  # yielded after the snapshot
                 return resume
             # an iterable dataset without state: replay the epoch from its start and drop what was yielded
-            logger.warning("the dataset has no state_dict/load_state_dict: resuming replays the %d batches of this "
-                           "epoch already yielded and drops them; give it those methods to resume directly",
-                           resume.yielded)
+            logger.warning(
+                "the dataset has no state_dict/load_state_dict: resuming replays the %d batches of this "
+                "epoch already yielded and drops them; give it those methods to resume directly",
+                resume.yielded,
+            )
             self._skip_batches = resume.yielded + resume.since_snapshot
             self._stream.begin(replay=resume.replay)
             return EpochProgress(workers, base_seed=resume.base_seed, replay=self._stream.replay)
@@ -143,7 +160,11 @@ class LoaderIterator:
         start = self._stream.idle_snapshot()
         self._stream.begin(draws_base_seed=base_seed is None)
         seed = draw_base_seed(self._generator) if base_seed is None else base_seed
-        if workers and not self._dataset_outlives_epoch and getattr(self._index_sampler, "reiterated_by_workers", False):
+        if (
+            workers
+            and not self._dataset_outlives_epoch
+            and getattr(self._index_sampler, "reiterated_by_workers", False)
+        ):
             # StatefulDataLoader's shuffle (adopted from its checkpoint): its new worker iterator iterates the sampler
             # again after drawing the base seed, and the epoch takes that second permutation
             start = self._stream.idle_snapshot()
@@ -179,12 +200,16 @@ class LoaderIterator:
                 self._metrics.wait_s += time.perf_counter() - started
             self._metrics.batches += 1
             if self._iterable and self._len_called is not None and self.progress.yielded > self._len_called:
-                message = (f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
-                           f"(when accessing len(dataloader)), but {self.progress.yielded} samples have been fetched. ")
+                message = (
+                    f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
+                    f"(when accessing len(dataloader)), but {self.progress.yielded} samples have been fetched. "
+                )
                 if self._num_workers > 0:
-                    message += ("For multiprocessing data-loading, this could be caused by not properly configuring the "
-                                "IterableDataset replica at each worker. Please see "
-                                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples.")
+                    message += (
+                        "For multiprocessing data-loading, this could be caused by not properly configuring the "
+                        "IterableDataset replica at each worker. Please see "
+                        "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
+                    )
                 warnings.warn(message, stacklevel=2)
             return data
 
@@ -211,12 +236,20 @@ class SingleProcessIterator(LoaderIterator):
 
     def __init__(self, settings: LoaderSettings, metrics: LoaderMetrics, resume: EpochProgress | None) -> None:
         if settings.timeout != 0:
-            raise AssertionError("timeout applies to worker processes: with num_workers=0 set timeout=0 "
-                                 "(torch raises this AssertionError too)")
+            raise AssertionError(
+                "timeout applies to worker processes: with num_workers=0 set timeout=0 "
+                "(torch raises this AssertionError too)"
+            )
         super().__init__(settings, metrics, resume)
-        self._fetcher = BatchFetcher(self._dataset, iterable=self._iterable, auto_collation=settings.auto_collation,
-                                     collate_fn=settings.collate_fn, drop_last=settings.drop_last,
-                                     state=self.progress.datasets[0], ended=self.progress.ended[0])
+        self._fetcher = BatchFetcher(
+            self._dataset,
+            iterable=self._iterable,
+            auto_collation=settings.auto_collation,
+            collate_fn=settings.collate_fn,
+            drop_last=settings.drop_last,
+            state=self.progress.datasets[0],
+            ended=self.progress.ended[0],
+        )
         if self.progress.datasets[0] is None:  # what the epoch starts from, for a state saved before its first batch
             self.progress.datasets[0] = self._fetcher.initial_state
 

@@ -32,6 +32,9 @@ import torch.utils.data
 from torch.utils.data import Dataset, IterableDataset, IterDataPipe, MapDataPipe, Sampler
 from torch.utils.data.dataloader import _DatasetKind
 
+from ..feed._config import FeedConfig
+from ..feed._feed import Feed
+from ..index._sample_index import SampleIndex
 from ._elastic import ElasticBatchSampler
 from ._feed_path import feed_batches, feed_steps_left, is_index, open_feed
 from ._iterators import LoaderIterator, LoaderMetrics, SingleProcessIterator, draw_base_seed
@@ -40,9 +43,6 @@ from ._settings import LoaderSettings
 from ._state import EpochProgress, WorkerCountError, parse_state
 from ._torchdata_state import from_torchdata_state, is_torchdata_state, needs_torchdata_shuffle, torchdata_shuffle
 from ._worker_pool import WorkerPoolIterator
-from ..feed._feed import Feed
-from ..feed._config import FeedConfig
-from ..index._sample_index import SampleIndex
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -79,21 +79,34 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         if snapshot_every_n_steps is not None and (
             not isinstance(snapshot_every_n_steps, int) or snapshot_every_n_steps < 0
         ):
-            raise ValueError(f"snapshot_every_n_steps must be a non-negative integer or None, got {snapshot_every_n_steps!r}")
+            raise ValueError(
+                f"snapshot_every_n_steps must be a non-negative integer or None, got {snapshot_every_n_steps!r}"
+            )
         self._metrics = LoaderMetrics()
         self._progress: EpochProgress | None = None  # the latest epoch's progress
         self._pending: EpochProgress | None = None  # a loaded state, for the next iter()
         self._live: weakref.ReferenceType[LoaderIterator] | None = None
         self._feed: Feed | None = None
         self._elastic: ElasticBatchSampler | None = None
-        self._refusal: WorkerCountError | None = None  # a loaded state for another num_workers: the next iter() raises it
+        self._refusal: WorkerCountError | None = (
+            None  # a loaded state for another num_workers: the next iter() raises it
+        )
         self._torchdata_draw = False  # a loaded StatefulDataLoader state: its iterator draws a base seed it discards
         self.snapshot_every_n_steps = snapshot_every_n_steps
         torch_args = {
-            "batch_size": batch_size, "shuffle": shuffle, "sampler": sampler, "batch_sampler": batch_sampler,
-            "num_workers": num_workers, "collate_fn": collate_fn, "drop_last": drop_last, "timeout": timeout,
-            "worker_init_fn": worker_init_fn, "multiprocessing_context": multiprocessing_context,
-            "generator": generator, "prefetch_factor": prefetch_factor, "persistent_workers": persistent_workers,
+            "batch_size": batch_size,
+            "shuffle": shuffle,
+            "sampler": sampler,
+            "batch_sampler": batch_sampler,
+            "num_workers": num_workers,
+            "collate_fn": collate_fn,
+            "drop_last": drop_last,
+            "timeout": timeout,
+            "worker_init_fn": worker_init_fn,
+            "multiprocessing_context": multiprocessing_context,
+            "generator": generator,
+            "prefetch_factor": prefetch_factor,
+            "persistent_workers": persistent_workers,
             "in_order": in_order,
         }
         if is_index(dataset, feed_config):
@@ -146,8 +159,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             draw_base_seed(self.generator)
         self._torchdata_draw = False
         live = self._live() if self._live is not None else None
-        if self._elastic is not None and resume is None and self._progress is not None \
-                and self._progress.status == "running":  # the elastic path continues where delivery stopped
+        if (
+            self._elastic is not None
+            and resume is None
+            and self._progress is not None
+            and self._progress.status == "running"
+        ):  # the elastic path continues where delivery stopped
             if live is not None and live is self._iterator:
                 self._rewind_elastic()
                 live.redeal()
@@ -184,13 +201,24 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
     def _settings(self) -> LoaderSettings:
         """What a new iterator reads of this loader (torch's attributes, as they are now)."""
         return LoaderSettings(
-            dataset=self.dataset, iterable=self._is_iterable, auto_collation=self._auto_collation,
-            index_sampler=self._index_sampler, collate_fn=self.collate_fn, drop_last=self.drop_last,
-            num_workers=self.num_workers, prefetch_factor=self.prefetch_factor, timeout=self.timeout,
-            worker_init_fn=self.worker_init_fn, multiprocessing_context=self.multiprocessing_context,
-            persistent_workers=self.persistent_workers, in_order=self.in_order, generator=self.generator,
-            pin_memory=self.pin_memory, pin_memory_device=self.pin_memory_device,
-            iterable_len_called=self._IterableDataset_len_called, snapshot_every_n_steps=self.snapshot_every_n_steps,
+            dataset=self.dataset,
+            iterable=self._is_iterable,
+            auto_collation=self._auto_collation,
+            index_sampler=self._index_sampler,
+            collate_fn=self.collate_fn,
+            drop_last=self.drop_last,
+            num_workers=self.num_workers,
+            prefetch_factor=self.prefetch_factor,
+            timeout=self.timeout,
+            worker_init_fn=self.worker_init_fn,
+            multiprocessing_context=self.multiprocessing_context,
+            persistent_workers=self.persistent_workers,
+            in_order=self.in_order,
+            generator=self.generator,
+            pin_memory=self.pin_memory,
+            pin_memory_device=self.pin_memory_device,
+            iterable_len_called=self._IterableDataset_len_called,
+            snapshot_every_n_steps=self.snapshot_every_n_steps,
         )
 
     def __len__(self) -> int:
@@ -217,8 +245,9 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         progress = self._pending or self._progress
         if progress is None:
             stream = IndexStream(self._index_sampler, self.generator)
-            progress = EpochProgress(self.num_workers, status="fresh", snapshot=stream.idle_snapshot(),
-                                     replay=stream.idle_replay())
+            progress = EpochProgress(
+                self.num_workers, status="fresh", snapshot=stream.idle_snapshot(), replay=stream.idle_replay()
+            )
         return progress.state()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -242,13 +271,17 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         foreign = bool(state) and is_torchdata_state(state)
         if foreign:
             if self._elastic is not None:
-                raise ValueError("a StatefulDataLoader checkpoint has no elastic dealing: load it into a DataLoader "
-                                 "built without world_size/rank")
+                raise ValueError(
+                    "a StatefulDataLoader checkpoint has no elastic dealing: load it into a DataLoader "
+                    "built without world_size/rank"
+                )
             state = from_torchdata_state(state, self)
         # StatefulDataLoader's shuffle, from its checkpoint or an own state saved after loading one
         shuffle = torchdata_shuffle(self) if state and needs_torchdata_shuffle(state) else None
         try:
-            progress = None if not state else parse_state(state, num_workers=self.num_workers, iterable=self._is_iterable)
+            progress = (
+                None if not state else parse_state(state, num_workers=self.num_workers, iterable=self._is_iterable)
+            )
         except WorkerCountError as exc:  # raised by the next iter(), as torchdata's; the state is not applied
             self._close_iterators()
             self._refusal, self._pending, self._progress, self._torchdata_draw = exc, None, None, False
@@ -278,8 +311,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             self._feed.resize(world_size, rank)
             return
         if self._elastic is None:
-            raise ValueError("resize() needs the elastic path: construct the DataLoader with world_size= and rank= "
-                             "(omnifeed then deals the dataset across ranks itself, without a DistributedSampler)")
+            raise ValueError(
+                "resize() needs the elastic path: construct the DataLoader with world_size= and rank= "
+                "(omnifeed then deals the dataset across ranks itself, without a DistributedSampler)"
+            )
         self._elastic.resize(world_size, rank)
         self._rewind_elastic()
         live = self._live() if self._live is not None else None
@@ -296,8 +331,10 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
 
     def _refuse_datapipe(self, what: str) -> None:
         if self._datapipe:
-            raise TypeError(f"{what}() is not supported for DataPipe datasets (deprecated in torch); "
-                            "wrap the data in a Dataset or IterableDataset")
+            raise TypeError(
+                f"{what}() is not supported for DataPipe datasets (deprecated in torch); "
+                "wrap the data in a Dataset or IterableDataset"
+            )
 
     # -- lifecycle and metrics ----------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
@@ -332,23 +369,35 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
         self.close()
 
 
-def _elastic_sampler(dataset: Any, args: dict[str, Any], world_size: int | None, rank: int | None,
-                     shuffle_seed: int) -> ElasticBatchSampler:
+def _elastic_sampler(
+    dataset: Any, args: dict[str, Any], world_size: int | None, rank: int | None, shuffle_seed: int
+) -> ElasticBatchSampler:
     """The sampler of the elastic path, or ``ValueError`` saying which argument does not fit it."""
     if world_size is None or rank is None:
         raise ValueError("give both world_size= and rank= for the elastic path")
     if isinstance(dataset, IterableDataset):
-        raise ValueError("world_size/rank deal a map-style dataset's indices across ranks; an IterableDataset "
-                         "shards itself (read your rank and torch.utils.data.get_worker_info() in its __iter__)")
+        raise ValueError(
+            "world_size/rank deal a map-style dataset's indices across ranks; an IterableDataset "
+            "shards itself (read your rank and torch.utils.data.get_worker_info() in its __iter__)"
+        )
     if args["sampler"] is not None or args["batch_sampler"] is not None:
-        raise ValueError("with world_size/rank omnifeed deals the indices across ranks itself: drop sampler= and "
-                         "batch_sampler= (no DistributedSampler is needed)")
+        raise ValueError(
+            "with world_size/rank omnifeed deals the indices across ranks itself: drop sampler= and "
+            "batch_sampler= (no DistributedSampler is needed)"
+        )
     if args["batch_size"] is None:
         raise ValueError("the elastic path deals micro-batches: give a batch_size")
     if not args["in_order"]:
-        raise ValueError("the elastic path delivers steps in plan order: in_order=False is not supported with world_size/rank")
+        raise ValueError(
+            "the elastic path delivers steps in plan order: in_order=False is not supported with world_size/rank"
+        )
     return ElasticBatchSampler(
-        len(dataset), args["batch_size"], world_size=world_size, rank=rank, seed=shuffle_seed,
-        shuffle=bool(args["shuffle"]), drop_last=args["drop_last"],
+        len(dataset),
+        args["batch_size"],
+        world_size=world_size,
+        rank=rank,
+        seed=shuffle_seed,
+        shuffle=bool(args["shuffle"]),
+        drop_last=args["drop_last"],
         fingerprint=f"{type(dataset).__module__}.{type(dataset).__qualname__}:{len(dataset)}",
     )

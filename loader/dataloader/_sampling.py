@@ -142,8 +142,10 @@ class IndexStream:
         """Put the captured generators back in the states ``replay`` holds: all of them, or (``ValueError``) none."""
         generators = self._generators()
         if len(replay["generators"]) != len(generators):
-            raise ValueError(f"the state holds {len(replay['generators'])} generator states; this loader's "
-                             f"samplers use {len(generators)}: resume with the same sampler and generator")
+            raise ValueError(
+                f"the state holds {len(replay['generators'])} generator states; this loader's "
+                f"samplers use {len(generators)}: resume with the same sampler and generator"
+            )
         before = [g.get_state() for g in generators]
         try:
             for g, text in zip(generators, replay["generators"]):
@@ -159,8 +161,14 @@ class IndexStream:
         if snapshot.get("sampler") is not None and self._stateful is not None:
             self._stateful.load_state_dict(copy.deepcopy(dict(snapshot["sampler"])))
 
-    def begin(self, *, consumed: int = 0, replay: Mapping[str, Any] | None = None,
-              snapshot: Mapping[str, Any] | None = None, draws_base_seed: bool = True) -> None:
+    def begin(
+        self,
+        *,
+        consumed: int = 0,
+        replay: Mapping[str, Any] | None = None,
+        snapshot: Mapping[str, Any] | None = None,
+        draws_base_seed: bool = True,
+    ) -> None:
         """Start the epoch, positioned after ``consumed`` tasks (a resume) or at its start (fresh).
 
         A fresh start creates the iterator only: the caller then draws the base seed, as torch does

@@ -83,7 +83,9 @@ class EpochProgress:
         """Whether states are snapshots every ``every`` batches (workers, ``every`` other than 1)."""
         return self.num_workers > 0 and self.every is not None and self.every != 1
 
-    def wants_state(self, task: int, *, in_flight: int, in_order: bool, iterable: bool, tasks: int | None = None) -> bool:
+    def wants_state(
+        self, task: int, *, in_flight: int, in_order: bool, iterable: bool, tasks: int | None = None
+    ) -> bool:
         """Whether task ``task``'s worker should report its dataset state: torchdata's rule, the tasks that can be a
         worker's last before a snapshot step, and each worker's last of the epoch (``tasks``: the epoch's count, when
         known), so that the next epoch of persistent workers starts from their exact states; ``in_flight``: the most
@@ -142,8 +144,12 @@ class EpochProgress:
     def next_epoch_datasets(self) -> list[Any]:
         """The states the next epoch starts from on the same dataset objects: each worker's dataset part
         (a new epoch calls ``iter(dataset)`` afresh, so its iterator's state is left behind)."""
-        return [{"dataset": s["dataset"], "iterator": None} if isinstance(s, Mapping) and s.get("dataset") is not None
-                else None for s in self.datasets]
+        return [
+            {"dataset": s["dataset"], "iterator": None}
+            if isinstance(s, Mapping) and s.get("dataset") is not None
+            else None
+            for s in self.datasets
+        ]
 
     def forget_dispatched(self) -> None:
         """In-flight tasks were dropped (a resize or a restart): only delivered ones count."""
@@ -157,17 +163,27 @@ class EpochProgress:
         return self._state()
 
     def _state(self) -> dict[str, Any]:
-        return copy.deepcopy({
-            "format": STATE_FORMAT,
-            "since_snapshot": 0,
-            "status": self.status,
-            "base_seed": self.base_seed,
-            "yielded": self.yielded,
-            "sampler": {"consumed": self.consumed, "also_yielded": sorted(self.also_yielded),
-                        "replay": self.replay, "snapshot": self.snapshot},
-            "workers": {"count": self.num_workers, "next": self.next_worker,
-                        "datasets": list(self.datasets), "ended": list(self.ended)},
-        })
+        return copy.deepcopy(
+            {
+                "format": STATE_FORMAT,
+                "since_snapshot": 0,
+                "status": self.status,
+                "base_seed": self.base_seed,
+                "yielded": self.yielded,
+                "sampler": {
+                    "consumed": self.consumed,
+                    "also_yielded": sorted(self.also_yielded),
+                    "replay": self.replay,
+                    "snapshot": self.snapshot,
+                },
+                "workers": {
+                    "count": self.num_workers,
+                    "next": self.next_worker,
+                    "datasets": list(self.datasets),
+                    "ended": list(self.ended),
+                },
+            }
+        )
 
 
 def _exact_keys(what: str, value: Any, keys: set[str]) -> Mapping[str, Any]:
@@ -192,8 +208,10 @@ def parse_state(state: Mapping[str, Any], *, num_workers: int, iterable: bool) -
         state = {**state, "format": STATE_FORMAT, "since_snapshot": 0}
     if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
         found = state.get("format") if isinstance(state, Mapping) else type(state).__name__
-        raise ValueError(f"not an omnifeed DataLoader state (format {found!r}, expected {STATE_FORMAT!r}); "
-                         "pass what DataLoader.state_dict() returned")
+        raise ValueError(
+            f"not an omnifeed DataLoader state (format {found!r}, expected {STATE_FORMAT!r}); "
+            "pass what DataLoader.state_dict() returned"
+        )
     state = copy.deepcopy(dict(_exact_keys("the DataLoader state", state, _KEYS)))
     if state["status"] not in ("fresh", "running", "finished"):
         raise ValueError(f"state status must be 'fresh', 'running' or 'finished', got {state['status']!r}")

@@ -47,7 +47,9 @@ def _rng_text(value: Any) -> str:
         return value
     if isinstance(value, torch.Tensor) and value.dtype == torch.uint8:
         return encode_rng(value)
-    raise ValueError(f"a StatefulDataLoader checkpoint's sampler generator state must be a uint8 tensor, got {type(value).__name__}")
+    raise ValueError(
+        f"a StatefulDataLoader checkpoint's sampler generator state must be a uint8 tensor, got {type(value).__name__}"
+    )
 
 
 class _ShuffleIterator(Iterator[int]):
@@ -178,10 +180,16 @@ def torchdata_shuffle(loader: Any) -> ShuffleSwap | None:
     if isinstance(loader.sampler, TorchdataShuffle):
         return None
     batching = loader.batch_sampler is not None
-    if not _unchanged(loader.sampler, RandomSampler) or loader.sampler.replacement \
-            or loader.sampler._num_samples is not None or (batching and not _unchanged(loader.batch_sampler, BatchSampler)):
-        raise ValueError("this state shuffles as StatefulDataLoader(shuffle=True) does: load it into a DataLoader "
-                         "built with shuffle=True and no sampler or batch_sampler")
+    if (
+        not _unchanged(loader.sampler, RandomSampler)
+        or loader.sampler.replacement
+        or loader.sampler._num_samples is not None
+        or (batching and not _unchanged(loader.batch_sampler, BatchSampler))
+    ):
+        raise ValueError(
+            "this state shuffles as StatefulDataLoader(shuffle=True) does: load it into a DataLoader "
+            "built with shuffle=True and no sampler or batch_sampler"
+        )
     generator = loader.sampler.generator if loader.sampler.generator is not None else torch.Generator()
     sampler = TorchdataShuffle(loader.dataset, generator)
     return ShuffleSwap(sampler, TorchdataBatches(sampler, loader.batch_size, loader.drop_last) if batching else None)
@@ -191,14 +199,20 @@ def needs_torchdata_shuffle(state: Mapping[str, Any]) -> bool:
     """Whether an omnifeed state was written by a loader that had adopted StatefulDataLoader's shuffle."""
     sampler = state.get("sampler")
     snapshot = sampler.get("snapshot") if isinstance(sampler, Mapping) else None
-    return isinstance(snapshot, Mapping) and isinstance(snapshot.get("sampler"), Mapping) \
+    return (
+        isinstance(snapshot, Mapping)
+        and isinstance(snapshot.get("sampler"), Mapping)
         and SHUFFLE_KEY in snapshot["sampler"]
+    )
 
 
 def _is_shuffle_state(sampler_iter_state: Any) -> bool:
     """Whether a checkpoint's ``_sampler_iter_state`` is torchdata's (batched) ``RandomSampler`` iterator's."""
-    inner = sampler_iter_state.get("sampler_iter_state", sampler_iter_state) \
-        if isinstance(sampler_iter_state, Mapping) else None
+    inner = (
+        sampler_iter_state.get("sampler_iter_state", sampler_iter_state)
+        if isinstance(sampler_iter_state, Mapping)
+        else None
+    )
     return isinstance(inner, Mapping) and set(inner) == {"yielded", "generator"}
 
 
@@ -221,8 +235,11 @@ def _shuffle_snapshot(loader: Any, sampler_iter_state: Mapping[str, Any], finish
     generator = torch.Generator()
     generator.set_state(decode_rng(inner["generator"]))
     torch.randperm(len(loader.sampler), generator=generator)
-    iterator = {"samples_yielded": int(sampler_iter_state["samples_yielded"]), "sampler_iter_state": inner} \
-        if batched else inner
+    iterator = (
+        {"samples_yielded": int(sampler_iter_state["samples_yielded"]), "sampler_iter_state": inner}
+        if batched
+        else inner
+    )
     return {"sampler": {SHUFFLE_KEY: encode_rng(generator.get_state())}, "iterator": None if finished else iterator}
 
 
@@ -239,15 +256,19 @@ def _sampler_snapshot(loader: Any, main: Mapping[str, Any], consumed: int, finis
         if not torchdata_batches:
             return {"sampler": index_state, "iterator": iter_state}
         if "sampler_iter_state" in iter_state or "sampler_state" not in iter_state:
-            raise ValueError("the StatefulDataLoader checkpoint holds no state this loader's sampler can load: "
-                             "build the DataLoader with the sampler and batch arguments the checkpoint was made with")
+            raise ValueError(
+                "the StatefulDataLoader checkpoint holds no state this loader's sampler can load: "
+                "build the DataLoader with the sampler and batch arguments the checkpoint was made with"
+            )
         return {"sampler": iter_state["sampler_state"], "iterator": None}
     if iter_state is not None and not torchdata_batches and stream.mode != "fixed":
         return {"sampler": None, "iterator": iter_state}  # a sampler whose iterator has the state
     if stream.mode != "fixed" and consumed and not finished:
-        raise ValueError("this StatefulDataLoader checkpoint is mid-epoch with a random sampler that has no state "
-                         "(StatefulDataLoader itself would restart the epoch in a new order): resume from a checkpoint "
-                         "taken at an epoch's end, or give the sampler state_dict/load_state_dict")
+        raise ValueError(
+            "this StatefulDataLoader checkpoint is mid-epoch with a random sampler that has no state "
+            "(StatefulDataLoader itself would restart the epoch in a new order): resume from a checkpoint "
+            "taken at an epoch's end, or give the sampler state_dict/load_state_dict"
+        )
     return None
 
 
@@ -275,8 +296,10 @@ def from_torchdata_state(state: Mapping[str, Any], loader: Any) -> dict[str, Any
         iterable = bool(loader._is_iterable)
         snapshot = None if iterable else _sampler_snapshot(loader, main, consumed, finished)
     except (KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"an incomplete StatefulDataLoader state ({type(exc).__name__}: {exc}); pass what "
-                         "StatefulDataLoader.state_dict() returned") from None
+        raise ValueError(
+            f"an incomplete StatefulDataLoader state ({type(exc).__name__}: {exc}); pass what "
+            "StatefulDataLoader.state_dict() returned"
+        ) from None
     entries = [_worker_dataset(w, iterable) for w in workers]
     return {
         "format": STATE_FORMAT,
@@ -284,8 +307,16 @@ def from_torchdata_state(state: Mapping[str, Any], loader: Any) -> dict[str, Any
         "base_seed": base_seed,
         "yielded": yielded,
         "since_snapshot": since,
-        "sampler": {"consumed": yielded if iterable else consumed, "also_yielded": [], "replay": None,
-                    "snapshot": snapshot},
-        "workers": {"count": count, "next": (last + 1) % max(1, count), "datasets": [e[0] for e in entries],
-                    "ended": [e[1] for e in entries]},
+        "sampler": {
+            "consumed": yielded if iterable else consumed,
+            "also_yielded": [],
+            "replay": None,
+            "snapshot": snapshot,
+        },
+        "workers": {
+            "count": count,
+            "next": (last + 1) % max(1, count),
+            "datasets": [e[0] for e in entries],
+            "ended": [e[1] for e in entries],
+        },
     }

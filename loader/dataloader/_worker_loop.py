@@ -119,9 +119,14 @@ def worker_loop(setup: WorkerSetup, tasks: Any, replies: Any, done_event: Any) -
             if isinstance(message, StartEpoch):
                 try:
                     fetcher = BatchFetcher(
-                        setup.dataset, iterable=setup.iterable, auto_collation=setup.auto_collation,
-                        collate_fn=setup.collate_fn, drop_last=setup.drop_last, state=message.dataset_state,
-                        in_worker=True, ended_iterator=message.ended_iterator,
+                        setup.dataset,
+                        iterable=setup.iterable,
+                        auto_collation=setup.auto_collation,
+                        collate_fn=setup.collate_fn,
+                        drop_last=setup.drop_last,
+                        state=message.dataset_state,
+                        in_worker=True,
+                        ended_iterator=message.ended_iterator,
                     )
                 except Exception:
                     pending_error = pending_error or ExceptionWrapper(where=where)
@@ -151,7 +156,14 @@ def _serve(task: Task, fetcher: BatchFetcher, writer: SlotWriter, worker_id: int
             fetcher.ended = True
             return Reply(task.task_id, task.generation, worker_id, "ended", dataset_state=fetcher.state())
         state = fetcher.state() if task.snapshot else None
-        return Reply(task.task_id, task.generation, worker_id, "batch", batch=writer.pack(batch), dataset_state=state,
-                     ended=fetcher.ended)
+        return Reply(
+            task.task_id,
+            task.generation,
+            worker_id,
+            "batch",
+            batch=writer.pack(batch),
+            dataset_state=state,
+            ended=fetcher.ended,
+        )
     except Exception:
         return Reply(task.task_id, task.generation, worker_id, "error", error=ExceptionWrapper(where=where))

@@ -41,8 +41,9 @@ class WorkerPoolIterator(LoaderIterator):
 
     def __init__(self, settings: LoaderSettings, metrics: LoaderMetrics, resume: EpochProgress | None) -> None:
         if settings.prefetch_factor is None or settings.prefetch_factor <= 0:
-            raise AssertionError("prefetch_factor must be greater than 0 with worker processes "
-                                 "(torch raises this AssertionError too)")
+            raise AssertionError(
+                "prefetch_factor must be greater than 0 with worker processes (torch raises this AssertionError too)"
+            )
         super().__init__(settings, metrics, resume)
         self._prefetch = settings.prefetch_factor * self._num_workers
         self._in_order = settings.in_order
@@ -61,8 +62,17 @@ class WorkerPoolIterator(LoaderIterator):
             tasks = context.Queue()
             tasks.cancel_join_thread()
             setup = WorkerSetup(
-                self._dataset, self._iterable, settings.auto_collation, settings.collate_fn, settings.drop_last,
-                self.progress.base_seed, settings.worker_init_fn, worker_id, self._num_workers, flags, per_worker,
+                self._dataset,
+                self._iterable,
+                settings.auto_collation,
+                settings.collate_fn,
+                settings.drop_last,
+                self.progress.base_seed,
+                settings.worker_init_fn,
+                worker_id,
+                self._num_workers,
+                flags,
+                per_worker,
             )
             process = context.Process(target=worker_loop, args=(setup, tasks, self._replies, self._done), daemon=True)
             process.start()
@@ -147,8 +157,9 @@ class WorkerPoolIterator(LoaderIterator):
         self.progress.dispatched(task, self._stream.snapshot())
         self._flight[task] = _InFlight(worker)
         self._busy[worker] += 1
-        wanted = self.progress.wants_state(task, in_flight=self._prefetch, in_order=self._in_order, iterable=self._iterable,
-                                           tasks=self._tasks)
+        wanted = self.progress.wants_state(
+            task, in_flight=self._prefetch, in_order=self._in_order, iterable=self._iterable, tasks=self._tasks
+        )
         self._task_queues[worker].put(Task(task, self._generation, index, wanted))
         return True
 

@@ -114,8 +114,9 @@ def _decode_stream(container: Any, config: AudioDecodeConfig, key: str) -> np.nd
     stream = container.streams.audio[0]
     seconds = declared_seconds(container, stream)
     if seconds > config.max_seconds:
-        raise DecodeError(f"header declares {seconds:.1f} s, over max_seconds = {config.max_seconds}", key, "audio",
-                          "too_long")
+        raise DecodeError(
+            f"header declares {seconds:.1f} s, over max_seconds = {config.max_seconds}", key, "audio", "too_long"
+        )
     layout = "mono" if config.channels == 1 else "stereo"
     resampler = av.AudioResampler(format="fltp", layout=layout, rate=config.sample_rate)
     samples = _Samples(math.ceil(config.max_seconds * config.sample_rate) + config.sample_rate // 50, key)

@@ -109,4 +109,3 @@ def center_square(width: int, height: int) -> tuple[float, float, float, float]:
     m = min(width, height)
     left, top = (width - m) / 2, (height - m) / 2
     return left, top, left + m, top + m
-

@@ -105,8 +105,10 @@ class VideoDecodeConfig(_Model):
     max_size: int = Field(default=1024, ge=1, description="Cap on the long side for 'short_side', pixels.")
     resample: Resample = Field(default="bilinear", description="Resampling filter (libswscale) of the resize.")
     max_pixels: int = Field(
-        default=33_177_600, ge=1, description="Guard on the frame size (width × height; 8K by default): the "
-        "header's, and every decoded frame's (FFmpeg's own `max_pixels`)."
+        default=33_177_600,
+        ge=1,
+        description="Guard on the frame size (width × height; 8K by default): the "
+        "header's, and every decoded frame's (FFmpeg's own `max_pixels`).",
     )
     max_decoded_frames: int = Field(
         default=10_000, ge=1, description="Guard: more frames decoded than this for one clip is 'too_long'."

@@ -34,8 +34,9 @@ _INTERP = {"bilinear": types.INTERP_LINEAR, "bicubic": types.INTERP_CUBIC, "lanc
 
 
 def _build(resample: str) -> Any:
-    @pipeline_def(batch_size=1, num_threads=1, device_id=None, exec_async=False, exec_pipelined=False,
-                  prefetch_queue_depth=1)
+    @pipeline_def(
+        batch_size=1, num_threads=1, device_id=None, exec_async=False, exec_pipelined=False, prefetch_queue_depth=1
+    )
     def image_pipeline() -> Any:
         data = fn.external_source(name="data", dtype=types.UINT8, ndim=1)
         width = fn.external_source(name="width", dtype=types.FLOAT, ndim=0)
@@ -43,8 +44,16 @@ def _build(resample: str) -> Any:
         roi_start = fn.external_source(name="roi_start", dtype=types.FLOAT, ndim=1)  # (y, x)
         roi_end = fn.external_source(name="roi_end", dtype=types.FLOAT, ndim=1)
         image = fn.decoders.image(data, device="cpu", output_type=types.RGB, adjust_orientation=False)
-        return fn.resize(image, resize_x=width, resize_y=height, roi_start=roi_start, roi_end=roi_end,
-                         roi_relative=False, interp_type=_INTERP[resample], antialias=True)
+        return fn.resize(
+            image,
+            resize_x=width,
+            resize_y=height,
+            roi_start=roi_start,
+            roi_end=roi_end,
+            roi_relative=False,
+            interp_type=_INTERP[resample],
+            antialias=True,
+        )
 
     pipeline = image_pipeline()
     pipeline.build()

@@ -57,7 +57,9 @@ def checked_size(image: Image.Image, max_pixels: int, key: str) -> tuple[int, in
     if width * height > max_pixels:
         raise DecodeError(
             f"header declares {width}x{height} = {width * height} pixels, over max_pixels = {max_pixels}",
-            key, "image", "bomb",
+            key,
+            "image",
+            "bomb",
         )
     return width, height
 

@@ -65,8 +65,9 @@ def _text(data: bytes, key: str, field: str) -> str:
     try:
         return bytes(data).decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DecodeError(f"field {field!r} is not UTF-8 (byte {exc.start}: {exc.reason})", key, "meta",
-                          "encoding") from exc
+        raise DecodeError(
+            f"field {field!r} is not UTF-8 (byte {exc.start}: {exc.reason})", key, "meta", "encoding"
+        ) from exc
 
 
 def _json(data: bytes, key: str, field: str) -> Any:

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._registry import make_decoder
 from ._config import DecodeConfig
+from ._registry import make_decoder
 
 Decoder = Callable[[bytes, str], Any]
 _PROCESS_DECODERS: dict[tuple[str, str], Decoder] = {}

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
-from ._common import DecodeError, as_numpy
-from ._config import TextDecodeConfig
 from .._errors import add_context
 from .._user_code import import_function
+from ._common import DecodeError, as_numpy
+from ._config import TextDecodeConfig
 
 logger = logging.getLogger(__name__)
 

@@ -80,8 +80,15 @@ def choose_frames(pts: list[int], end: int, time_base: Fraction, config: VideoDe
 class _Decoder:
     """Feeds packets to the codec, counts frames out, keeps the wanted ones converted."""
 
-    def __init__(self, codec: Any, wanted: set[int] | None, limit: int, convert: Callable[[Any], np.ndarray],
-                 key: str, max_pixels: int) -> None:
+    def __init__(
+        self,
+        codec: Any,
+        wanted: set[int] | None,
+        limit: int,
+        convert: Callable[[Any], np.ndarray],
+        key: str,
+        max_pixels: int,
+    ) -> None:
         self.codec, self.wanted, self.limit, self.convert, self.key = codec, wanted, limit, convert, key
         self.max_pixels = max_pixels
         self.decoded, self.drained = 0, False
@@ -98,8 +105,12 @@ class _Decoder:
                 raise
             width, height = int(self.codec.width), int(self.codec.height)
             if width * height > self.max_pixels:  # FFmpeg refused a frame size that changed mid-stream
-                raise DecodeError(f"frames of {width}x{height} in the stream, over max_pixels = {self.max_pixels}",
-                                  self.key, "video", "bomb") from exc
+                raise DecodeError(
+                    f"frames of {width}x{height} in the stream, over max_pixels = {self.max_pixels}",
+                    self.key,
+                    "video",
+                    "bomb",
+                ) from exc
             raise av_error(exc, self.key, "video", last_packet=last) from exc
         self._take(frames)
 
@@ -112,8 +123,9 @@ class _Decoder:
         for frame in frames:
             self.decoded += 1
             if self.decoded > self.limit:
-                raise DecodeError(f"more than max_decoded_frames = {self.limit} frames decoded", self.key, "video",
-                                  "too_long")
+                raise DecodeError(
+                    f"more than max_decoded_frames = {self.limit} frames decoded", self.key, "video", "too_long"
+                )
             slot = self.decoded if self.wanted is None else frame.pts
             if self.wanted is None or (slot in self.wanted and slot not in self.frames):
                 self.frames[slot] = self.convert(frame)
@@ -152,8 +164,9 @@ def _decode_clip(container: Any, size: int, config: VideoDecodeConfig, key: str)
     if width < 1 or height < 1:
         raise DecodeError(f"stream declares {width}x{height} frames", key, "video", "corrupt")
     if width * height > config.max_pixels:
-        raise DecodeError(f"stream declares {width}x{height} frames, over max_pixels = {config.max_pixels}", key,
-                          "video", "bomb")
+        raise DecodeError(
+            f"stream declares {width}x{height} frames, over max_pixels = {config.max_pixels}", key, "video", "bomb"
+        )
     # FFmpeg allocates no frame over the guard either: the size can change mid-stream (a new SPS)
     codec.options = {**codec.options, "max_pixels": str(config.max_pixels)}
     codec.thread_count = config.threads

@@ -166,7 +166,9 @@ class _Worker:
             self.process.join(_JOIN_S)
             if block is not None and self.scratch is not None and not self.process.is_alive():
                 self.scratch.cancel(block)
-            raise WorkerDied(f"decode worker process {self.process.pid} died (exit code {self.process.exitcode})") from exc
+            raise WorkerDied(
+                f"decode worker process {self.process.pid} died (exit code {self.process.exitcode})"
+            ) from exc
         except WorkerDied:
             if block is not None and self.scratch is not None:
                 self.scratch.cancel(block)
@@ -204,8 +206,9 @@ class WorkerProcesses:
     ``restarts`` counts workers lost and replaced. ``close()`` stops every worker (idempotent).
     """
 
-    def __init__(self, processes: int, context: BaseContext, name: str = "omnifeed-decode",
-                 scratch_bytes: int = 0) -> None:
+    def __init__(
+        self, processes: int, context: BaseContext, name: str = "omnifeed-decode", scratch_bytes: int = 0
+    ) -> None:
         if processes < 1:
             raise ValueError(f"processes must be at least 1, got {processes}")
         self.processes, self.name, self.scratch_bytes = processes, name, scratch_bytes
@@ -271,8 +274,11 @@ class WorkerProcesses:
             self._running -= 1
             self.restarts += 1
             self._cond.notify()
-        log.warning("%s: a worker process died (exit code %s); starting another, its call is made once more",
-                    self.name, worker.process.exitcode)
+        log.warning(
+            "%s: a worker process died (exit code %s); starting another, its call is made once more",
+            self.name,
+            worker.process.exitcode,
+        )
 
     def close(self) -> None:
         """Stop the idle workers now, busy ones when their call returns; later calls raise ``CancelledError``."""

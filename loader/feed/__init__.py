@@ -9,7 +9,7 @@ from ._field_source import FieldSource
 from ._healing import FeedError
 from ._pipeline import fields_to_decode
 from ._torch_batch import to_torch
-from ._transform_config import HorizontalFlip, RandomResizedCrop, TransformStep, TransformsConfig, UserTransform
+from ._transform_config import HorizontalFlip, RandomResizedCrop, TransformsConfig, TransformStep, UserTransform
 from ._transforms import transform_generators
 
 __all__ = [

@@ -73,8 +73,9 @@ def _int64(values: list[Any], alloc: Allocator) -> np.ndarray:
     return out
 
 
-def _media(arrays: list[np.ndarray], slots: list[int], name: str, length_dim: int | None,
-           alloc: Allocator) -> dict[str, Any]:
+def _media(
+    arrays: list[np.ndarray], slots: list[int], name: str, length_dim: int | None, alloc: Allocator
+) -> dict[str, Any]:
     """One media modality: padded arrays, lengths along ``length_dim`` (time) if any, frame sizes, rows."""
     field: dict[str, Any] = {name: _pad_stack(arrays, alloc)}
     if length_dim is not None:
@@ -85,8 +86,9 @@ def _media(arrays: list[np.ndarray], slots: list[int], name: str, length_dim: in
     return field
 
 
-def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any],
-            alloc: Allocator = _private) -> dict[str, Any]:
+def collate(
+    samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any], alloc: Allocator = _private
+) -> dict[str, Any]:
     """One micro-batch of decoded samples (numpy values) in the documented batch format, as numpy arrays from ``alloc``."""
     batch: dict[str, Any] = {"__key__": list(keys), "__info__": info}
     rows: dict[str, list[int]] = {}
@@ -97,7 +99,8 @@ def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any
         slots = rows["text"]
         tokens = [samples[i]["text"][1] for i in slots]
         batch["text"] = {
-            "tokens": _pad_stack(tokens, alloc) if any(t.size for t in tokens)
+            "tokens": _pad_stack(tokens, alloc)
+            if any(t.size for t in tokens)
             else alloc((len(slots), 0), np.dtype(np.int64)),
             "lengths": _int64([t.size for t in tokens], alloc),
             "strings": [samples[i]["text"][0] for i in slots],
@@ -105,7 +108,9 @@ def collate(samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any
         }
     for modality, name, length_dim in (("image", "pixels", None), ("video", "frames", 0), ("audio", "samples", -1)):
         if modality in rows:
-            batch[modality] = _media([samples[i][modality] for i in rows[modality]], rows[modality], name, length_dim, alloc)
+            batch[modality] = _media(
+                [samples[i][modality] for i in rows[modality]], rows[modality], name, length_dim, alloc
+            )
     if "meta" in rows:
         names = sorted({name for i in rows["meta"] for name in samples[i]["meta"]})
         batch["meta"] = {name: _meta([s.get("meta", {}).get(name) for s in samples], alloc) for name in names}

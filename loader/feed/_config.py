@@ -9,9 +9,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ...cache import CacheConfig
 from .._config import load_yaml, validated
-from ..plan._config import PlanConfig
 from .._config_paths import FEED_PATHS, resolve_paths
 from ..decode._config import DecodeConfig
+from ..plan._config import PlanConfig
 from ._remote_config import RemoteConfig, check_remote_pools
 from ._transform_config import TransformsConfig
 
@@ -23,7 +23,8 @@ class PoolConfig(BaseModel):
 
     workers: int = Field(default=1, ge=0, description="Threads dedicated to this modality.")
     processes: int = Field(
-        default=0, ge=0,
+        default=0,
+        ge=0,
         description="Worker processes that decode this modality (0: decode in the threads). For decoders that "
         "hold the GIL; the threads then only hand tasks to the processes and wait, so give twice as many "
         "threads as processes to keep them busy.",
@@ -37,7 +38,8 @@ class PoolConfig(BaseModel):
     buffer_samples: int = Field(default=256, ge=1, description="Samples of this modality decoded ahead, at most.")
     buffer_bytes: int = Field(default=512 * 2**20, ge=1, description="Bytes of decoded output held ahead, at most.")
     remote: RemoteConfig | None = Field(
-        default=None, description="Decode workers on a Ray cluster as well (docs/service.md); none when absent.")
+        default=None, description="Decode workers on a Ray cluster as well (docs/service.md); none when absent."
+    )
 
 
 def _default_pools() -> dict[str, PoolConfig]:
@@ -99,7 +101,9 @@ class FeedConfig(BaseModel):
                     f"{charged[0]} {charged[1]}: with bucketing, crop to a square and set "
                     f"plan.bucketing.cost.image_resize: fixed, image_size: {cropped[0]}"
                 )
-        elif expected != charged or (image.resize == "short_side" and image.crop == "none" and cost.max_image_size != image.max_size):
+        elif expected != charged or (
+            image.resize == "short_side" and image.crop == "none" and cost.max_image_size != image.max_size
+        ):
             raise ValueError(
                 f"the plan's cost model charges images as {charged[0]} {charged[1]} (max {cost.max_image_size}) but "
                 f"decode.image produces {expected[0]} {expected[1]} (max {image.max_size}): set "

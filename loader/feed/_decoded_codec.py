@@ -56,7 +56,14 @@ def _encode(value: Any, parts: list[bytes]) -> None:
         if array.dtype.hasobject:
             raise TypeError("cannot cache an array of Python objects")
         name = array.dtype.str.encode()
-        parts += [b"T", bytes([len(name)]), name, bytes([array.ndim]), *(_U64.pack(n) for n in array.shape), array.tobytes()]
+        parts += [
+            b"T",
+            bytes([len(name)]),
+            name,
+            bytes([array.ndim]),
+            *(_U64.pack(n) for n in array.shape),
+            array.tobytes(),
+        ]
     elif isinstance(value, str):
         data = value.encode()
         parts += [b"S", _U64.pack(len(data)), data]
@@ -86,11 +93,11 @@ def decode_decoded(data: bytes) -> Any:
 def _decode(view: memoryview, at: int, depth: int) -> tuple[Any, int]:
     if depth > _MAX_DEPTH:
         raise ValueError(f"tuples nested more than {_MAX_DEPTH} deep")
-    tag = bytes(view[at:at + 1])
+    tag = bytes(view[at : at + 1])
     at += 1
     if tag == b"T":
         name_len = view[at]
-        dtype = np.dtype(bytes(view[at + 1:at + 1 + name_len]).decode())
+        dtype = np.dtype(bytes(view[at + 1 : at + 1 + name_len]).decode())
         if dtype.hasobject:
             raise ValueError("object arrays are not cached")
         at += 1 + name_len
@@ -109,7 +116,7 @@ def _decode(view: memoryview, at: int, depth: int) -> tuple[Any, int]:
         at += 8
         if at + length > len(view):
             raise ValueError("string cut short")
-        raw = bytes(view[at:at + length])
+        raw = bytes(view[at : at + length])
         return (raw.decode() if tag == b"S" else raw), at + length
     if tag == b"U":
         count = view[at]

@@ -12,22 +12,22 @@ from __future__ import annotations
 import json
 import time
 import weakref
-from dataclasses import dataclass
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from .._modalities import MODALITIES
-from ..plan._audit import delivery_record, open_audit_log
-from ._collate import Decoded, collate
-from ..plan._cursor import PlanCursor, steps_left_in_epoch
 from ..decode._registry import make_decoder
+from ..index._sample_index import SampleIndex
+from ..plan._audit import delivery_record, open_audit_log
+from ..plan._cursor import PlanCursor, steps_left_in_epoch
+from ..plan._plan import Plan
+from ._collate import Decoded, collate
 from ._config import FeedConfig
+from ._healing import ErrorBudget, FeedError, SampleFailure, fallback_positions, replacement_slot
 from ._metrics import FeedMetrics
 from ._pipeline import FieldReader, Handover, PendingBatch, Pipeline, Slot, fields_to_decode
-from ._healing import ErrorBudget, FeedError, SampleFailure, fallback_positions, replacement_slot
-from ..index._sample_index import SampleIndex
-from ..plan._plan import Plan
 from ._pools import DecodePools
 
 FEED_STATE_FORMAT = "omnifeed.feed-state/1"
@@ -42,7 +42,11 @@ def feed_state(plan: Plan, state: Mapping[str, Any] | None, *, world_size: int, 
     cursor = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
     if state is None:
         return {"format": FEED_STATE_FORMAT, "plan": cursor.state_dict(), "accum_done": 0}
-    if not isinstance(state, Mapping) or set(state) != {"format", "plan", "accum_done"} or state["format"] != FEED_STATE_FORMAT:
+    if (
+        not isinstance(state, Mapping)
+        or set(state) != {"format", "plan", "accum_done"}
+        or state["format"] != FEED_STATE_FORMAT
+    ):
         raise ValueError(f"not a feed state (expected keys format, plan, accum_done with format {FEED_STATE_FORMAT!r})")
     accum_done = state["accum_done"]
     if not isinstance(accum_done, int) or isinstance(accum_done, bool) or not 0 <= accum_done < grad_accum:
@@ -87,10 +91,18 @@ class Feed:
     never closes them, and ``decoders`` then belong to that reader's owner (ValueError).
     """
 
-    def __init__(self, index: SampleIndex | str | Path, config: FeedConfig | None = None, *, world_size: int = 1,
-                 rank: int = 0, grad_accum: int = 1, audit_log: str | Path | None = None,
-                 decoders: Mapping[str, Callable[..., Any]] | None = None,
-                 shared: SharedResources | None = None) -> None:
+    def __init__(
+        self,
+        index: SampleIndex | str | Path,
+        config: FeedConfig | None = None,
+        *,
+        world_size: int = 1,
+        rank: int = 0,
+        grad_accum: int = 1,
+        audit_log: str | Path | None = None,
+        decoders: Mapping[str, Callable[..., Any]] | None = None,
+        shared: SharedResources | None = None,
+    ) -> None:
         if shared is not None and decoders:
             raise ValueError("decoders belong to the shared field reader: give them to its owner")
         self.index = index if isinstance(index, SampleIndex) else SampleIndex(index)
@@ -106,16 +118,22 @@ class Feed:
         if shared is None:
             self._metrics = FeedMetrics()
             chosen = {m: make_decoder(m, self.config.decode) for m in MODALITIES}
-            self._reader = FieldReader(self.config, {**chosen, **(decoders or {})}, self._metrics,
-                                       self.index.fingerprint, frozenset(decoders or ()))
+            self._reader = FieldReader(
+                self.config,
+                {**chosen, **(decoders or {})},
+                self._metrics,
+                self.index.fingerprint,
+                frozenset(decoders or ()),
+            )
             self._shared_pools: DecodePools | None = None
             self._handover: Handover | None = None
         else:
             self._metrics, self._reader = shared.metrics, shared.reader
             self._shared_pools, self._handover = shared.pools, shared.handover
         self._owns_reader = shared is None
-        self._finalizer = weakref.finalize(self, _close_resources, [None], self._reader if self._owns_reader else None,
-                                           self._audit)
+        self._finalizer = weakref.finalize(
+            self, _close_resources, [None], self._reader if self._owns_reader else None, self._audit
+        )
         self._closed = False
 
     @staticmethod
@@ -166,16 +184,26 @@ class Feed:
         finally:
             pipeline.release(pending)
         done = pending.accum + 1
-        self._position, self._accum_done = (pending.state_after, 0) if done == self.grad_accum else (pending.state_before, done)
+        self._position, self._accum_done = (
+            (pending.state_after, 0) if done == self.grad_accum else (pending.state_before, done)
+        )
         self._metrics.delivered(len(pending.slots), waited)
         return taken
 
     def _running(self) -> Pipeline:
         if self._pipeline is None:
             self._pipeline = Pipeline(
-                self.index, self.plan, self.config, self._reader, world_size=self.world_size, rank=self.rank,
-                grad_accum=self.grad_accum, state=self._position, skip=self._accum_done,
-                pools=self._shared_pools, handover=self._handover,
+                self.index,
+                self.plan,
+                self.config,
+                self._reader,
+                world_size=self.world_size,
+                rank=self.rank,
+                grad_accum=self.grad_accum,
+                state=self._position,
+                skip=self._accum_done,
+                pools=self._shared_pools,
+                handover=self._handover,
             )
             self._finalizer.detach()
             reader = self._reader if self._owns_reader else None
@@ -198,14 +226,21 @@ class Feed:
             self._metrics.bad(slot.failure.modality, slot.failure.reason)
         self._budget.record(len(pending.slots), failures)
         info = {
-            "epoch": pending.micro_batch.epoch, "step": pending.step.step, "micro_batch": pending.micro_batch.index,
-            "rank": self.rank, "accum": pending.accum, "topology_version": pending.step.topology_version,
+            "epoch": pending.micro_batch.epoch,
+            "step": pending.step.step,
+            "micro_batch": pending.micro_batch.index,
+            "rank": self.rank,
+            "accum": pending.accum,
+            "topology_version": pending.step.topology_version,
             "replaced": replaced,
         }
         if pending.micro_batch.pack is not None:  # packing: each key's token range in the pack
             info["segments"] = [[seg.start, seg.stop] for seg in pending.micro_batch.pack.segments]
         planned = [slot.sample.key for slot in pending.slots]
-        record = {**delivery_record(pending.step, self.rank, pending.accum, pending.micro_batch, planned), "replaced": replaced}
+        record = {
+            **delivery_record(pending.step, self.rank, pending.accum, pending.micro_batch, planned),
+            "replaced": replaced,
+        }
         if self._audit is not None:
             self._audit.write(json.dumps(record) + "\n")
             self._audit.flush()
@@ -223,8 +258,10 @@ class Feed:
                 self._reader.fill(slot, modality, location)
             if slot.failure is None:
                 return slot
-        raise FeedError(f"sample {failed.sample.key!r} failed ({failed.failure}) and no stand-in with the same "
-                        f"modalities could be decoded; {SampleFailure.advice_for(failed.failure)}")
+        raise FeedError(
+            f"sample {failed.sample.key!r} failed ({failed.failure}) and no stand-in with the same "
+            f"modalities could be decoded; {SampleFailure.advice_for(failed.failure)}"
+        )
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -241,8 +278,10 @@ class Feed:
         """Deal the following steps to ``world_size`` ranks, this one being ``rank`` (at a step boundary)."""
         self._check_rank(world_size, rank)
         if self._accum_done:
-            raise FeedError(f"resize at a step boundary: {self._accum_done} of {self.grad_accum} micro-batches "
-                            f"of step {self._position['step']} are delivered; finish the step first")
+            raise FeedError(
+                f"resize at a step boundary: {self._accum_done} of {self.grad_accum} micro-batches "
+                f"of step {self._position['step']} are delivered; finish the step first"
+            )
         cursor = PlanCursor(self.plan, world_size=world_size, grad_accum=grad_accum or self.grad_accum)
         cursor.load_state_dict(self._position)
         self._stop_pipeline()
@@ -253,8 +292,12 @@ class Feed:
     def metrics(self) -> dict[str, Any]:
         """Per-modality buffers and decode latency, throughput, bytes read, bad samples, consumer wait."""
         buffers = self._pipeline.pools.buffers() if self._pipeline is not None else {}
-        return {**self._metrics.snapshot(buffers), "cache": self._reader.source.stats(),
-                "storage_degraded": self._reader.source.degraded, "read_ahead": self._reader.read_ahead()}
+        return {
+            **self._metrics.snapshot(buffers),
+            "cache": self._reader.source.stats(),
+            "storage_degraded": self._reader.source.degraded,
+            "read_ahead": self._reader.read_ahead(),
+        }
 
     def _stop_pipeline(self) -> None:
         if self._pipeline is not None:

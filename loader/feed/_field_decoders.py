@@ -42,7 +42,7 @@ SCRATCH_SLACK = 16 * 2**20
 
 def field_key(key: str) -> str:
     """The field name a ``Feed(decoders=...)`` key that is not a modality names (lower-cased, ``field:`` removed)."""
-    return (key[len(FIELD_PREFIX):] if key.startswith(FIELD_PREFIX) else key).lower()
+    return (key[len(FIELD_PREFIX) :] if key.startswith(FIELD_PREFIX) else key).lower()
 
 
 def field_keys(keys: frozenset[str] | Mapping[str, Any]) -> frozenset[str]:
@@ -82,8 +82,9 @@ def meta_value_problem(value: Any, depth: int = 0) -> str | None:
 class FieldDecoders:
     """The decoders of a feed: ``decoders`` holds the built-ins merged with the user's, ``custom`` the user's keys."""
 
-    def __init__(self, config: FeedConfig, decoders: Mapping[str, Callable[..., Any]],
-                 custom: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, config: FeedConfig, decoders: Mapping[str, Callable[..., Any]], custom: frozenset[str] = frozenset()
+    ) -> None:
         self.modalities = {k: v for k, v in decoders.items() if k in FIELD_MODALITIES}
         self.fields = {field_key(k): v for k, v in decoders.items() if k not in FIELD_MODALITIES}
         self.custom = frozenset(k for k in custom if k in FIELD_MODALITIES)
@@ -97,11 +98,19 @@ class FieldDecoders:
             pool = config.pool(modality)
             if pool.processes and modality not in self.custom:  # a user's decoder may not pickle: it runs in threads
                 scratch = pool.buffer_bytes // pool.processes + SCRATCH_SLACK if pool.shared_memory else 0
-                self._executors[modality] = WorkerProcesses(pool.processes, context, f"omnifeed-{modality}-decode",
-                                                            scratch)
+                self._executors[modality] = WorkerProcesses(
+                    pool.processes, context, f"omnifeed-{modality}-decode", scratch
+                )
 
-    def decode(self, modality: str, location: FieldLocation, key: str, data: bytes, where: str,
-               column: ColumnKind | None = None) -> Any:
+    def decode(
+        self,
+        modality: str,
+        location: FieldLocation,
+        key: str,
+        data: bytes,
+        where: str,
+        column: ColumnKind | None = None,
+    ) -> Any:
         """The value of field ``location`` of sample ``key`` from its bytes (numpy arrays, never tensors).
 
         ``where`` names the field's file for messages; ``column`` is how a Parquet cell was stored.
@@ -137,9 +146,12 @@ class FieldDecoders:
             raise user_code_error(f"decoder {function_name(function)}", exc, key, modality, where) from exc
         problem = meta_value_problem(value) if modality == "meta" else holdable(value, modality)
         if problem is not None:
-            raise DecodeError(f"decoder {function_name(function)} returned a value the batch cannot hold: "
-                              f"{problem} ({where})",
-                              key, modality, "user")
+            raise DecodeError(
+                f"decoder {function_name(function)} returned a value the batch cannot hold: {problem} ({where})",
+                key,
+                modality,
+                "user",
+            )
         return value
 
     def close(self) -> None:

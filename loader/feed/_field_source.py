@@ -18,15 +18,15 @@ from typing import Any, Literal
 
 import xxhash
 
-from .._modalities import MODALITIES
 from ...cache import CacheChain, CacheConfig, entry_key
+from .._modalities import MODALITIES
 from ..decode._config import DecodeConfig
 from ..decode._meta import ColumnKind
+from ..index._records import FieldLocation
+from ..index._sample_index import IndexedSample
+from ..index._sources import column_kinds, read_field
 from ._decoded_codec import DecodedEntryError, decode_decoded, encode_decoded
 from ._field_decoders import field_keys, matching_field
-from ..index._sample_index import IndexedSample
-from ..index._records import FieldLocation
-from ..index._sources import column_kinds, read_field
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ def transform_version(modality: str, decode: DecodeConfig) -> str:
 class FieldSource:
     """Loads fields through the cache chain; stores decoded values when entries are decoded."""
 
-    def __init__(self, config: CacheConfig, namespace: str, decode: DecodeConfig,
-                 custom: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self, config: CacheConfig, namespace: str, decode: DecodeConfig, custom: frozenset[str] = frozenset()
+    ) -> None:
         self.config, self.namespace = config, namespace
         self.chain = CacheChain(config)
         # decoded entries for the built-in decoders only: a user's decoder has no version to key by
@@ -82,8 +83,12 @@ class FieldSource:
                 try:
                     return "decoded", decode_decoded(entry)
                 except DecodedEntryError as exc:
-                    log.warning("cached decoded entry of %r field %r is unreadable (%s): decoding again",
-                                sample.key, location.name, exc)
+                    log.warning(
+                        "cached decoded entry of %r field %r is unreadable (%s): decoding again",
+                        sample.key,
+                        location.name,
+                        exc,
+                    )
                     self.chain.discard(key)  # so the value decoded again replaces it
             return "raw", self.origin(sample, location)
         if not self.chain.tiers:

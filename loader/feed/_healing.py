@@ -104,9 +104,16 @@ class ErrorBudget:
                     self._files[failure.url] += 1
                 if failure.key not in self._logged:
                     self._logged.add(failure.key)
-                    log.warning("replaced sample %r: field %r of %s (member %r) failed (%s, %s): %s", failure.key,
-                                failure.field, failure.url, failure.member, failure.modality, failure.reason,
-                                failure.message)
+                    log.warning(
+                        "replaced sample %r: field %r of %s (member %r) failed (%s, %s): %s",
+                        failure.key,
+                        failure.field,
+                        failure.url,
+                        failure.member,
+                        failure.modality,
+                        failure.reason,
+                        failure.message,
+                    )
             if self.read >= self.min_samples and self.failed > self.budget * self.read:
                 raise FeedError(
                     f"{self.failed} of {self.read} samples could not be read or decoded "
@@ -120,6 +127,8 @@ class ErrorBudget:
             parts.append(f"{self._user} failed in a function of yours (reason 'user', logged with its name): fix it")
         if self._files:
             worst = ", ".join(f"{url} ({count})" for url, count in self._files.most_common(_WORST_FILES))
-            parts.append(f"files with the most failures: {worst}. Fix or remove them and re-index, or raise "
-                         "FeedConfig.error_budget if the data is known to be this noisy")
+            parts.append(
+                f"files with the most failures: {worst}. Fix or remove them and re-index, or raise "
+                "FeedConfig.error_budget if the data is known to be this noisy"
+            )
         return "; ".join(parts)

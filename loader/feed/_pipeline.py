@@ -27,24 +27,23 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..plan._cursor import DealingStopped, PlanCursor, Step
-from ..decode._registry import DecodeError
-from .._errors import SourceError
-from ._config import FeedConfig
-from ._metrics import FeedMetrics
-from ._healing import FeedError, SampleFailure
-from ..index._sample_index import IndexedSample, SampleIndex
-from ..plan._plan import MicroBatch, Plan
-from ._pools import DecodePools, PoolOwner
-from ..index._records import FieldLocation
-from ..decode._worker_procs import WorkerDied
 from ...cache import is_local
+from .._errors import SourceError
+from ..decode._registry import DecodeError
+from ..decode._worker_procs import WorkerDied
+from ..index._records import FieldLocation
+from ..index._sample_index import IndexedSample, SampleIndex
+from ..plan._cursor import DealingStopped, PlanCursor, Step
+from ..plan._plan import MicroBatch, Plan
+from ._config import FeedConfig
 from ._decoded_codec import tensor_bytes
-from ._field_source import FieldSource, Loaded
 from ._field_decoders import FieldDecoders
+from ._field_source import FieldSource, Loaded
+from ._healing import FeedError, SampleFailure
+from ._metrics import FeedMetrics
+from ._pools import DecodePools, PoolOwner
 from ._remote import remote_decoders
 from ._transforms import Transforms
-
 
 Handover = Callable[[MicroBatch], "list[dict[str, Any]] | None"]
 """Decoded samples of a micro-batch that another stream already holds (the service, after a resize), or None."""
@@ -95,8 +94,14 @@ class FieldReader:
     or field names: see `_field_decoders`).
     """
 
-    def __init__(self, config: FeedConfig, decoders: Mapping[str, Callable[..., Any]], metrics: FeedMetrics,
-                 namespace: str, custom: frozenset[str] = frozenset()) -> None:
+    def __init__(
+        self,
+        config: FeedConfig,
+        decoders: Mapping[str, Callable[..., Any]],
+        metrics: FeedMetrics,
+        namespace: str,
+        custom: frozenset[str] = frozenset(),
+    ) -> None:
         self.config, self.metrics = config, metrics
         self.transforms = Transforms(config.transforms, config.plan.seed)  # ValueError: a user step does not import
         self.source = FieldSource(config.cache, namespace, config.decode, custom)
@@ -115,8 +120,9 @@ class FieldReader:
             return None  # a remote modality's field is read by whichever side decodes it
         return self._io.submit(self.source.load, sample, location)
 
-    def _value(self, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None,
-               where: str) -> tuple[Any, int]:
+    def _value(
+        self, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None, where: str
+    ) -> tuple[Any, int]:
         """(the field's value after the transforms, the raw bytes read for it)."""
         sample = slot.sample
         done = self.remote.decode(sample, location) if self.remote is not None and loading is None else None
@@ -142,8 +148,9 @@ class FieldReader:
         where = f"field {location.name!r} of {sample.shard.url}, member {location.member!r}"
 
         def failed(reason: str, message: str) -> int:
-            slot.failure = SampleFailure(sample.key, sample.shard.url, modality, reason, message,
-                                         location.name, location.member)
+            slot.failure = SampleFailure(
+                sample.key, sample.shard.url, modality, reason, message, location.name, location.member
+            )
             return 0
 
         try:
@@ -188,9 +195,21 @@ class Pipeline:
     ``self.pools`` is this pipeline's ``PoolOwner`` either way.
     """
 
-    def __init__(self, index: SampleIndex, plan: Plan, config: FeedConfig, reader: FieldReader, *,
-                 world_size: int, rank: int, grad_accum: int, state: Mapping[str, Any], skip: int,
-                 pools: DecodePools | None = None, handover: Handover | None = None) -> None:
+    def __init__(
+        self,
+        index: SampleIndex,
+        plan: Plan,
+        config: FeedConfig,
+        reader: FieldReader,
+        *,
+        world_size: int,
+        rank: int,
+        grad_accum: int,
+        state: Mapping[str, Any],
+        skip: int,
+        pools: DecodePools | None = None,
+        handover: Handover | None = None,
+    ) -> None:
         self.index, self.plan, self.config, self.reader = index, plan, config, reader
         self._handover = handover
         self.rank = rank
@@ -277,8 +296,9 @@ class Pipeline:
             loading.add_done_callback(self._loaded(pending, slot, modality, location))
         return True
 
-    def _loaded(self, pending: PendingBatch, slot: Slot, modality: str,
-                location: FieldLocation) -> Callable[[Future[Loaded]], None]:
+    def _loaded(
+        self, pending: PendingBatch, slot: Slot, modality: str, location: FieldLocation
+    ) -> Callable[[Future[Loaded]], None]:
         # The task is made here, not captured: a future keeps its done-callbacks, so a callback holding a
         # task that holds the future is a reference cycle, and the whole micro-batch (its slots' decoded
         # arrays, the read bytes) would wait for a full garbage collection: the service's memory climbed
@@ -287,10 +307,12 @@ class Pipeline:
             with self._cond:
                 self._loading.discard(loading)
             self.pools.submit(modality, self._task(pending, slot, modality, location, loading))
+
         return hand_to_decoder
 
-    def _task(self, pending: PendingBatch, slot: Slot, modality: str, location: FieldLocation,
-              loading: Future[Loaded] | None) -> Callable[[], int]:
+    def _task(
+        self, pending: PendingBatch, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None
+    ) -> Callable[[], int]:
         def run() -> int:
             nbytes = 0
             try:
@@ -302,6 +324,7 @@ class Pipeline:
                     if pending.remaining == 0:
                         self._cond.notify_all()
             return nbytes
+
         return run
 
     def next_ready(self) -> PendingBatch:

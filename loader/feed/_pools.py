@@ -52,8 +52,9 @@ class PoolOwner:
     ``read_ahead`` multiplies the sample budget (raised while origin storage is degraded).
     """
 
-    def __init__(self, pools: DecodePools, on_error: Callable[[BaseException], None],
-                 limits: Mapping[str, PoolConfig]) -> None:
+    def __init__(
+        self, pools: DecodePools, on_error: Callable[[BaseException], None], limits: Mapping[str, PoolConfig]
+    ) -> None:
         self._pools = pools
         self._on_error = on_error
         self._limits = dict(limits)
@@ -102,8 +103,13 @@ class PoolOwner:
         """Per modality: decoded samples waiting for the consumer, their bytes, and queued work."""
         with self._room_freed:
             return {
-                m: {"buffer_samples": self._ready[m], "buffer_bytes": self._ready_bytes[m], "queued": len(self._queues[m])}
-                for m in FIELD_MODALITIES if self._outstanding[m] or self._ready[m] or self._queues[m]
+                m: {
+                    "buffer_samples": self._ready[m],
+                    "buffer_bytes": self._ready_bytes[m],
+                    "queued": len(self._queues[m]),
+                }
+                for m in FIELD_MODALITIES
+                if self._outstanding[m] or self._ready[m] or self._queues[m]
             }
 
     def close(self) -> None:
@@ -125,8 +131,12 @@ class DecodePools:
     of every task's exception, whichever owner's (after that owner's own ``on_error``): a log hook.
     """
 
-    def __init__(self, config: FeedConfig, on_error: Callable[[BaseException], None] | None = None,
-                 remote: RemoteDecoders | None = None) -> None:
+    def __init__(
+        self,
+        config: FeedConfig,
+        on_error: Callable[[BaseException], None] | None = None,
+        remote: RemoteDecoders | None = None,
+    ) -> None:
         self._observe = on_error
         # One lock; separate conditions so that a finished or submitted task wakes only the
         # threads that can act on it (a notify_all per task woke every worker: GIL churn).
@@ -145,14 +155,20 @@ class DecodePools:
                 self._start(f"omnifeed-{modality}-{i}", (modality,))
         for i in range(config.shared_workers):
             self._start(f"omnifeed-shared-{i}", None)
-        served = {m for m in FIELD_MODALITIES if self._limits[m].workers} | (set(FIELD_MODALITIES) if config.shared_workers else set())
+        served = {m for m in FIELD_MODALITIES if self._limits[m].workers} | (
+            set(FIELD_MODALITIES) if config.shared_workers else set()
+        )
         self._inline = set(FIELD_MODALITIES) - served  # no worker would ever run these: run at submit
         if remote is not None:
             remote.attach(self._queued.__getitem__)  # read without the lock: a hint for scaling
             for modality, slots in remote.slots().items():
                 for slot in range(slots):
-                    thread = threading.Thread(target=self._work_remote, args=(remote, modality, slot),
-                                              name=f"omnifeed-{modality}-remote-{slot}", daemon=True)
+                    thread = threading.Thread(
+                        target=self._work_remote,
+                        args=(remote, modality, slot),
+                        name=f"omnifeed-{modality}-remote-{slot}",
+                        daemon=True,
+                    )
                     thread.start()
                     self._threads.append(thread)
 

@@ -22,10 +22,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,44 +38,15 @@ from ._field_decoders import FieldDecoders, matching_field
 from ._field_source import FieldSource
 from ._metrics import FeedMetrics
 from ._remote_actor import DecodeActor
-from ._remote_config import RemoteConfig
+from ._remote_state import RemoteActor as _Actor
+from ._remote_state import RemoteModality as _Modality
 
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.5  # the controller's period
 _STUCK_DEADLINES = 3  # an actor that has not answered within this many deadlines is replaced
 _BUSY_SHARE = 0.75  # of the remote slots busy, with tasks queued: starved
-_LATENCY_WINDOW = 2048
 _lease = threading.local()  # (RemoteDecoders, modality, actor index) while a remote slot runs a task
-
-
-@dataclass
-class _Actor:
-    handle: Any
-    ready: Any  # the ref of its ready() call
-    usable: bool = False
-    lost: bool = False
-    busy: int = 0
-    where: str = ""
-    overdue: list[Any] = field(default_factory=list)  # refs of answers past the deadline, dropped when they come
-    overdue_since: float = 0.0
-
-
-@dataclass
-class _Modality:
-    config: RemoteConfig
-    actors: list[_Actor | None]
-    target: int  # actors wanted now (elastic between workers and cap)
-    starved_since: float | None = None
-    idle_since: float | None = None
-    decoded: int = 0
-    reissued: int = 0
-    lost: int = 0
-    failed: int = 0
-    returned_bytes: int = 0
-    actor_read_bytes: int = 0
-    resized: int = 0
-    round_trip: deque[float] = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
 
 
 def _writable(value: Any) -> Any:
@@ -184,8 +153,9 @@ class RemoteDecoders:
         fields = self._decoders.fields
         return location.modality in self._decoders.custom or bool(fields and matching_field(location.name, fields))
 
-    def _call(self, mod: _Modality, actor: _Actor, sample: IndexedSample,
-              location: FieldLocation) -> tuple[Any, int] | None:
+    def _call(
+        self, mod: _Modality, actor: _Actor, sample: IndexedSample, location: FieldLocation
+    ) -> tuple[Any, int] | None:
         data = None
         if mod.config.send_bytes:
             kind, payload = self._source.load(sample, location)
@@ -202,8 +172,12 @@ class RemoteDecoders:
                     if not actor.overdue:
                         actor.overdue_since = time.monotonic()
                     actor.overdue.append(ref)
-                log.info("remote %s decode of %r past %.1f s: decoding it here (the first result wins)",
-                         location.modality, sample.key, mod.config.deadline_s)
+                log.info(
+                    "remote %s decode of %r past %.1f s: decoding it here (the first result wins)",
+                    location.modality,
+                    sample.key,
+                    mod.config.deadline_s,
+                )
                 return None
             status, value, read = self._ray.get(ref)
         except Exception as exc:  # noqa: BLE001  the actor, its node or the cluster is gone: decode here
@@ -229,8 +203,12 @@ class RemoteDecoders:
             actor.lost, actor.usable = True, False
             mod.lost += 1
             self._cond.notify_all()
-        log.warning("a remote decode worker (%s) was lost (%s: %s): its task is decoded here, another is started",
-                    actor.where or "starting", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        log.warning(
+            "a remote decode worker (%s) was lost (%s: %s): its task is decoded here, another is started",
+            actor.where or "starting",
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+        )
 
     # -- the controller ----------------------------------------------------------------------
     def _control(self) -> None:
@@ -262,8 +240,11 @@ class RemoteDecoders:
         self._probe = self._gcs_address()
         with self._cond:
             self._connected = True
-        log.info("decoding on the Ray cluster at %s as well: %s", self.address,
-                 ", ".join(f"{m} {mod.target} actor(s)" for m, mod in self._mods.items()))
+        log.info(
+            "decoding on the Ray cluster at %s as well: %s",
+            self.address,
+            ", ".join(f"{m} {mod.target} actor(s)" for m, mod in self._mods.items()),
+        )
 
     def _gcs_address(self) -> str:
         """HOST:PORT of the cluster's GCS (what the controller probes), or "" when Ray does not say."""
@@ -286,8 +267,14 @@ class RemoteDecoders:
                 self.outages += 1
             self._cond.notify_all()
         if warn:
-            log.warning("the Ray cluster at %s is unreachable (%s: %s): decoding on the local workers only, "
-                        "trying again every %g s", self.address, type(exc).__name__, exc, self._retry_s)
+            log.warning(
+                "the Ray cluster at %s is unreachable (%s: %s): decoding on the local workers only, "
+                "trying again every %g s",
+                self.address,
+                type(exc).__name__,
+                exc,
+                self._retry_s,
+            )
         if self._owns_connection:
             # Ray ends a driver process whose GCS stays unreachable for a minute: disconnect before
             # that, once no call is in flight (each ends within its deadline), and connect anew later.
@@ -311,14 +298,18 @@ class RemoteDecoders:
                         mod.actors[i] = None
                         doomed.append(actor)
             wanted = [(mod, i) for mod in self._mods.values() for i in range(mod.target) if mod.actors[i] is None]
-            starting = [a for mod in self._mods.values() for a in mod.actors if a is not None and not a.usable
-                        and not a.lost]
+            starting = [
+                a for mod in self._mods.values() for a in mod.actors if a is not None and not a.usable and not a.lost
+            ]
         for actor in doomed:
             self._ray.kill(actor.handle, no_restart=True)
         for mod, i in wanted:
             handle = self._actor_class.options(
-                num_cpus=mod.config.num_cpus, resources=dict(mod.config.resources) or None,
-                scheduling_strategy="SPREAD", max_restarts=0).remote(*self._args)
+                num_cpus=mod.config.num_cpus,
+                resources=dict(mod.config.resources) or None,
+                scheduling_strategy="SPREAD",
+                max_restarts=0,
+            ).remote(*self._args)
             with self._cond:
                 mod.actors[i] = _Actor(handle, handle.ready.remote())
         for actor in starting:
@@ -341,8 +332,11 @@ class RemoteDecoders:
                 elif stuck and not actor.lost:
                     actor.lost, actor.usable = True, False
                     mod.lost += 1
-                    log.warning("a remote decode worker (%s) has not answered for %.0f s: replacing it",
-                                actor.where, _STUCK_DEADLINES * mod.config.deadline_s)
+                    log.warning(
+                        "a remote decode worker (%s) has not answered for %.0f s: replacing it",
+                        actor.where,
+                        _STUCK_DEADLINES * mod.config.deadline_s,
+                    )
 
     def _started_actor(self, actor: _Actor) -> None:
         try:
@@ -362,21 +356,28 @@ class RemoteDecoders:
     def _scale(self, modality: str, mod: _Modality) -> None:
         """One actor more after ``grow_after_s`` starved (up to the cap), one fewer after ``shrink_after_s`` idle."""
         now = time.monotonic()
-        up = [a for a in mod.actors[:mod.target] if a is not None and a.usable]
+        up = [a for a in mod.actors[: mod.target] if a is not None and a.usable]
         busy = sum(a.busy for a in up)
         capacity = len(up) * mod.config.tasks_per_worker
         starved = capacity > 0 and busy >= _BUSY_SHARE * capacity and self._backlog(modality) > 0
         mod.starved_since = (now if mod.starved_since is None else mod.starved_since) if starved else None
         idle = capacity > 0 and busy == 0
         mod.idle_since = (now if mod.idle_since is None else mod.idle_since) if idle else None
-        if (mod.starved_since is not None and now - mod.starved_since >= mod.config.grow_after_s
-                and mod.target < mod.config.cap and len(up) == mod.target):
+        if (
+            mod.starved_since is not None
+            and now - mod.starved_since >= mod.config.grow_after_s
+            and mod.target < mod.config.cap
+            and len(up) == mod.target
+        ):
             mod.target += 1
             mod.resized += 1
             mod.starved_since = None
             log.info("remote %s decode workers starved: %d actors now", modality, mod.target)
-        elif (mod.idle_since is not None and now - mod.idle_since >= mod.config.shrink_after_s
-              and mod.target > mod.config.workers):
+        elif (
+            mod.idle_since is not None
+            and now - mod.idle_since >= mod.config.shrink_after_s
+            and mod.target > mod.config.workers
+        ):
             mod.target -= 1
             mod.resized += 1
             mod.idle_since = None
@@ -394,16 +395,27 @@ class RemoteDecoders:
                 p50, p90, p99 = np.quantile(trips, [0.5, 0.9, 0.99]) if trips.size else (0.0, 0.0, 0.0)
                 modalities[modality] = {
                     "workers": sum(1 for a in mod.actors if a is not None and a.usable),
-                    "target": mod.target, "max_workers": mod.config.cap, "resized": mod.resized,
-                    "decoded": mod.decoded, "decoded_per_s": mod.decoded / elapsed,
-                    "local_decoded": local, "local_per_s": local / elapsed,
+                    "target": mod.target,
+                    "max_workers": mod.config.cap,
+                    "resized": mod.resized,
+                    "decoded": mod.decoded,
+                    "decoded_per_s": mod.decoded / elapsed,
+                    "local_decoded": local,
+                    "local_per_s": local / elapsed,
                     "round_trip_s": {"p50": float(p50), "p90": float(p90), "p99": float(p99)},
-                    "reissued": mod.reissued, "overdue": sum(len(a.overdue) for a in mod.actors if a is not None),
-                    "lost": mod.lost, "failed": mod.failed,
-                    "returned_bytes": mod.returned_bytes, "actor_read_bytes": mod.actor_read_bytes,
+                    "reissued": mod.reissued,
+                    "overdue": sum(len(a.overdue) for a in mod.actors if a is not None),
+                    "lost": mod.lost,
+                    "failed": mod.failed,
+                    "returned_bytes": mod.returned_bytes,
+                    "actor_read_bytes": mod.actor_read_bytes,
                 }
-            return {"address": self.address, "connected": self._connected, "outages": self.outages,
-                    "modalities": modalities}
+            return {
+                "address": self.address,
+                "connected": self._connected,
+                "outages": self.outages,
+                "modalities": modalities,
+            }
 
     def close(self) -> None:
         """Stop the controller, kill the actors, and disconnect if the connection was made here (idempotent)."""
@@ -426,8 +438,9 @@ class RemoteDecoders:
             self._ray.shutdown()
 
 
-def remote_decoders(config: FeedConfig, source: FieldSource, decoders: FieldDecoders,
-                    metrics: FeedMetrics) -> RemoteDecoders | None:
+def remote_decoders(
+    config: FeedConfig, source: FieldSource, decoders: FieldDecoders, metrics: FeedMetrics
+) -> RemoteDecoders | None:
     """The remote decode workers ``config`` asks for, or None when no pool has ``remote``."""
     if not any(config.pool(m).remote is not None for m in FIELD_MODALITIES if m != "meta"):
         return None

@@ -18,7 +18,8 @@ class RemoteConfig(BaseModel):
 
     workers: int = Field(default=2, ge=1, description="Actors started (and the fewest kept when the pool shrinks).")
     max_workers: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="Actors at most: more are started while the modality starves (its tasks wait and every actor "
         "is busy), fewer when they idle. Null: ``workers``, a fixed pool.",
     )
@@ -28,14 +29,16 @@ class RemoteConfig(BaseModel):
         "(Ray client). A connection this process already holds is used as it is.",
     )
     tasks_per_worker: int = Field(
-        default=2, ge=1, description="Tasks sent to one actor at a time (one decodes while the next travels).")
+        default=2, ge=1, description="Tasks sent to one actor at a time (one decodes while the next travels)."
+    )
     num_cpus: float = Field(default=1.0, gt=0, description="CPUs Ray reserves for each actor.")
     resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources each actor needs (e.g. {decode: 1} to keep actors off the service's node).",
     )
     deadline_s: float = Field(
-        default=10.0, gt=0,
+        default=10.0,
+        gt=0,
         description="A task an actor has not answered within this is decoded locally (the first result wins); "
         "the actor takes no task until it answers, and is replaced if it has not within three times this.",
     )
@@ -46,10 +49,14 @@ class RemoteConfig(BaseModel):
     )
     retry_s: float = Field(default=10.0, gt=0, description="While the cluster is unreachable, try again this often.")
     grow_after_s: float = Field(
-        default=2.0, gt=0, description="Starved this long without a break (tasks queued, at least 75 % of the "
-        "remote slots busy): one more actor, up to ``max_workers``.")
+        default=2.0,
+        gt=0,
+        description="Starved this long without a break (tasks queued, at least 75 % of the "
+        "remote slots busy): one more actor, up to ``max_workers``.",
+    )
     shrink_after_s: float = Field(
-        default=30.0, gt=0, description="No remote slot busy for this long: one actor fewer, down to ``workers``.")
+        default=30.0, gt=0, description="No remote slot busy for this long: one actor fewer, down to ``workers``."
+    )
 
     @model_validator(mode="after")
     def _cap_holds_the_floor(self) -> RemoteConfig:

@@ -126,7 +126,9 @@ class TransformsConfig(StrictModel):
     image: tuple[TransformStep, ...] = Field(default=(), description="Steps for images (uint8 [3, H, W]).")
     video: tuple[TransformStep, ...] = Field(default=(), description="Steps for video (uint8 [T, 3, H, W]).")
     audio: tuple[TransformStep, ...] = Field(default=(), description="Steps for audio (user steps only).")
-    text: tuple[TransformStep, ...] = Field(default=(), description="Steps for text ((str, int64 ids); user steps only).")
+    text: tuple[TransformStep, ...] = Field(
+        default=(), description="Steps for text ((str, int64 ids); user steps only)."
+    )
 
     @model_validator(mode="after")
     def _pixels_only_for_pixels(self) -> TransformsConfig:

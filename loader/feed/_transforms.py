@@ -40,8 +40,12 @@ from ..decode._common import DecodeError, as_numpy, function_name, user_code_err
 from ._transform_config import HorizontalFlip, RandomResizedCrop, TransformsConfig, UserTransform
 
 TRANSFORM_STREAM = 0x6F6D6E6974726E73  # "omnitrns": keeps these streams apart from any other use of the seed
-_FILTERS = {"nearest": Image.Resampling.NEAREST, "bilinear": Image.Resampling.BILINEAR,
-            "bicubic": Image.Resampling.BICUBIC, "lanczos": Image.Resampling.LANCZOS}
+_FILTERS = {
+    "nearest": Image.Resampling.NEAREST,
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "lanczos": Image.Resampling.LANCZOS,
+}
 _NDIM = {"image": 3, "video": 4, "audio": 2}
 
 Step = Callable[[Any, str, int, np.random.Generator], Any]
@@ -50,13 +54,19 @@ Step = Callable[[Any, str, int, np.random.Generator], Any]
 
 def transform_generators(seed: int, epoch: int, key: str, field: str, count: int) -> list[np.random.Generator]:
     """The generators the ``count`` steps of ``field`` of sample ``key`` draw from in ``epoch`` (see the module docstring)."""
-    entropy = [TRANSFORM_STREAM, seed, epoch, xxhash.xxh3_64_intdigest(key.encode()),
-               xxhash.xxh3_64_intdigest(field.encode())]
+    entropy = [
+        TRANSFORM_STREAM,
+        seed,
+        epoch,
+        xxhash.xxh3_64_intdigest(key.encode()),
+        xxhash.xxh3_64_intdigest(field.encode()),
+    ]
     return [np.random.Generator(np.random.PCG64(child)) for child in np.random.SeedSequence(entropy).spawn(count)]
 
 
-def crop_box(height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
-             rng: np.random.Generator) -> tuple[int, int, int, int]:
+def crop_box(
+    height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float], rng: np.random.Generator
+) -> tuple[int, int, int, int]:
     """(top, left, height, width) of a random crop: torchvision's ``RandomResizedCrop.get_params`` drawing from ``rng``."""
     area = height * width
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
@@ -78,10 +88,14 @@ def crop_box(height: int, width: int, scale: tuple[float, float], ratio: tuple[f
 
 
 def _pixels(value: Any, step: str) -> np.ndarray:
-    if not (isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim in (3, 4) and value.shape[-3] == 3):
+    if not (
+        isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim in (3, 4) and value.shape[-3] == 3
+    ):
         shape = getattr(value, "shape", None)
-        raise TypeError(f"{step} takes uint8 [3, H, W] images or [T, 3, H, W] video, got {type(value).__name__} "
-                        f"{getattr(value, 'dtype', '')} {shape}: put built-in steps before user steps that change it")
+        raise TypeError(
+            f"{step} takes uint8 [3, H, W] images or [T, 3, H, W] video, got {type(value).__name__} "
+            f"{getattr(value, 'dtype', '')} {shape}: put built-in steps before user steps that change it"
+        )
     return value
 
 
@@ -118,15 +132,23 @@ def horizontal_flip(settings: HorizontalFlip) -> Step:
 def holdable(value: Any, modality: str) -> str | None:
     """Why the batch cannot hold ``value`` as a decoded ``modality`` value (None when it can)."""
     if modality == "text":
-        ok = (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], str)
-              and isinstance(value[1], np.ndarray) and value[1].ndim == 1 and value[1].dtype.kind in "iu")
+        ok = (
+            isinstance(value, tuple)
+            and len(value) == 2
+            and isinstance(value[0], str)
+            and isinstance(value[1], np.ndarray)
+            and value[1].ndim == 1
+            and value[1].dtype.kind in "iu"
+        )
         return None if ok else "text must be (str, 1-D integer array)"
     ndim = _NDIM.get(modality)
     if ndim is None:
         return None
     if not isinstance(value, np.ndarray) or value.ndim != ndim or value.dtype.kind not in "uifb":
-        return (f"{modality} must be a numeric array of {ndim} dimensions, got {type(value).__name__} "
-                f"{getattr(value, 'dtype', '')} {getattr(value, 'shape', '')}")
+        return (
+            f"{modality} must be a numeric array of {ndim} dimensions, got {type(value).__name__} "
+            f"{getattr(value, 'dtype', '')} {getattr(value, 'shape', '')}"
+        )
     return None
 
 
@@ -179,6 +201,10 @@ class Transforms:
                 raise user_code_error(f"transform {user}", exc, key, modality, where) from exc
             problem = holdable(value, modality)
             if problem is not None:
-                raise DecodeError(f"transform {user} returned a value the batch cannot hold: {problem} ({where})",
-                                  key, modality, "user")
+                raise DecodeError(
+                    f"transform {user} returned a value the batch cannot hold: {problem} ({where})",
+                    key,
+                    modality,
+                    "user",
+                )
         return value

@@ -11,14 +11,15 @@ The build driver; each stage has its module:
    statistics, fingerprint) — steps 3 to 5 in ``_partition_writer``.
 
 The index is built in a fresh folder beside ``out`` and appears at ``out`` only when
-complete; what may be replaced there, and how, is ``_out_dir``'s.
+complete; what may be replaced there, and how, is ``_out_dir``'s (and so is removing the building
+folder a killed run left behind). Stopped early (an error, Ctrl-C, SIGTERM), the scan workers are
+stopped and the building folder removed.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from tqdm import tqdm
 
 from .._errors import SourceError
 from ._config import IndexConfig
-from ._out_dir import index_files_to_replace, replace_index
+from ._out_dir import building_folder, index_files_to_replace, release_building_folder, replace_index
 from ._partition_writer import IndexReport, PartitionSpill, write_index_files
 from ._records import ShardSpec
 from ._scan_pool import Scanner, exit_if_a_worker_is_importing_the_script, scan_all
@@ -37,7 +38,11 @@ log = logging.getLogger(__name__)
 
 
 def build_index(
-    sources: Sequence[str], out: str | Path, config: IndexConfig | None = None, *, progress: bool = True,
+    sources: Sequence[str],
+    out: str | Path,
+    config: IndexConfig | None = None,
+    *,
+    progress: bool = True,
     scanner: Scanner | None = None,
 ) -> IndexReport:
     """Scan ``sources`` and write the index to ``out``; shards that fail are reported and left out,
@@ -69,7 +74,10 @@ def build_index(
 
 
 def write_index_from_tables(
-    tables: Iterable[pa.Table], shards: Sequence[ShardSpec], shard_bytes: Sequence[int], out: str | Path,
+    tables: Iterable[pa.Table],
+    shards: Sequence[ShardSpec],
+    shard_bytes: Sequence[int],
+    out: str | Path,
     config: IndexConfig | None = None,
 ) -> IndexReport:
     """Write an index from already-scanned row tables (``ROW_SCHEMA``); used by benchmarks and tests.
@@ -93,9 +101,10 @@ def _write_replacing(out: Path, write: Callable[[Path], IndexReport]) -> IndexRe
     """``write`` an index into a fresh folder beside ``out``, which then replaces ``out`` (`replace_index`); the
     folder is removed if ``write`` raises."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    work = building_folder(out)
     try:
         report = write(work)
+        release_building_folder(work)
         replace_index(out, work)
         report.path = out
         return report
@@ -105,7 +114,11 @@ def _write_replacing(out: Path, write: Callable[[Path], IndexReport]) -> IndexRe
 
 
 def _build_into(
-    work: Path, shards: list[ShardSpec], config: IndexConfig, errors: list[dict[str, str]], progress: bool,
+    work: Path,
+    shards: list[ShardSpec],
+    config: IndexConfig,
+    errors: list[dict[str, str]],
+    progress: bool,
     scanner: Scanner,
 ) -> IndexReport:
     spill = PartitionSpill(work / ".spill", config.partitions)
@@ -114,19 +127,47 @@ def _build_into(
     samples = 0
     failed: dict[int, str] = {}
     damaged: dict[int, list[dict[str, str]]] = {}
-    for shard_id, table, size, error, shard_damaged in scanner(shards, config):
-        bar.update(1)
-        if shard_damaged:
-            damaged[shard_id] = shard_damaged
-        if error is not None:
-            failed[shard_id] = error
-            log.error("%s", error)
-            continue
-        shard_bytes[shard_id] = size
-        spill.add(table)  # rows are sorted per partition later: arrival order does not matter
-        samples += table.num_rows
-        bar.set_postfix(samples=samples, failed=len(errors) + len(failed), refresh=False)
-    bar.close()
+    classes: dict[int, list[str]] = {}
+    results = scanner(shards, config)
+    try:
+        for shard_id, table, size, error, shard_damaged, shard_classes in results:
+            bar.update(1)
+            if shard_damaged:
+                damaged[shard_id] = shard_damaged
+            if error is not None:
+                failed[shard_id] = error
+                log.info("%s", error)  # reported once, by the caller (IndexReport.errors)
+                continue
+            shard_bytes[shard_id] = size
+            spill.add(table)  # rows are sorted per partition later: arrival order does not matter
+            samples += table.num_rows
+            if shard_classes:
+                classes[shard_id] = shard_classes
+            bar.set_postfix(samples=samples, failed=len(errors) + len(failed), refresh=False)
+    finally:
+        close = getattr(results, "close", None)
+        if close is not None:  # stopped early (Ctrl-C, SIGTERM, an error): the scanner stops its workers now
+            close()
+        bar.close()
     errors.extend({"source": shards[i].url, "error": failed[i]} for i in sorted(failed))  # in shard order
     left_out = [entry for i in sorted(damaged) for entry in damaged[i]]
-    return write_index_files(work, spill, shards, shard_bytes, config, errors, left_out)
+    return write_index_files(
+        work, spill, shards, shard_bytes, config, errors, left_out, classes=_one_class_list(shards, classes)
+    )
+
+
+def _one_class_list(shards: list[ShardSpec], classes: dict[int, list[str]]) -> list[str]:
+    """The class names every labelled folder shares; SourceError when two folders have different ones."""
+    lists = sorted(classes.items())
+    for shard_id, names in lists[1:]:
+        first_id, first = lists[0]
+        if names != first:
+            only = sorted(set(first) ^ set(names))
+            raise SourceError(
+                f"the class folders of {shards[first_id].url} and {shards[shard_id].url} differ ({len(first)} and "
+                f"{len(names)} classes; not in both: {', '.join(only[:5])}{' ...' if len(only) > 5 else ''}), so "
+                "their labels would not mean the same classes; index them separately, or give them the same class "
+                "folders",
+                url=shards[shard_id].url,
+            )
+    return lists[0][1] if lists else []

@@ -11,11 +11,22 @@ A column's modality, the first rule that applies:
 4. a string column named like text (``TEXT_NAMES``: ``caption``, ``sentence``, ...) → text;
 5. a binary column or a media struct (a struct with a binary ``bytes`` member, as ``datasets``
    stores images and audio: ``struct<bytes: binary, path: string>``) named like a medium
-   (``MEDIA_NAMES``) → that medium; otherwise its first non-null cells (up to ``SNIFF_CELLS``)
-   are sniffed by their magic bytes (JPEG, PNG, GIF, WebP, TIFF → image; FLAC, WAV, Ogg, MP3,
-   M4A → audio; MP4, WebM/Matroska, AVI → video) and the most common answer wins, unless an earlier
-   column already has that modality (a second image column, a mask, stays meta: the feed decodes
-   one field per modality, and meta carries the bytes);
+   (``MEDIA_NAMES``) → that medium; any other is **typed cell by cell**, since one column may hold
+   several media (JPEG rows and FLAC rows). A cell's modality, the first that applies:
+   a. its companion extension column, when the table has one (a string column ``<column>_ext``,
+      ``<column>_extension`` or ``<column>_format``, or ``ext``, ``extension``, ``format`` when this
+      is the only such column), holding an extension (``jpg``, ``.flac``) or a MIME type
+      (``audio/flac``) that names a modality, as a tar member's extension does;
+   b. its magic bytes (JPEG, PNG, GIF, WebP, TIFF → image; FLAC, WAV, Ogg, MP3, M4A → audio; MP4,
+      WebM/Matroska, AVI → video), when the column is a media column: at least half its first
+      non-null cells (up to ``SNIFF_CELLS``) are media, or it has a companion. A column of other
+      blobs stays meta whole: 2- or 3-byte signatures (MP3's) turn up in random bytes;
+   c. the column's default: the medium most of those first cells have (meta when it is no media
+      column).
+   A cell whose medium another field of its row already has stays meta (a second image, a mask:
+   the feed decodes one field per modality, and meta carries the bytes); a column placed by rules
+   1-5 holds its medium in every row. So a sample is damaged (``header``) only when its bytes are
+   unreadable as the medium they are, never because its neighbours hold another one;
 6. anything else → meta (an int or ``ClassLabel`` column is a label: an int64 tensor in the batch).
 
 A cell's field bytes: binary as is; a string as stored (UTF-8); a media struct's ``bytes``
@@ -43,6 +54,9 @@ TEXT_NAMES = frozenset({"text", "txt", "caption", "sentence", "transcription", "
 MEDIA_NAMES = {"image": "image", "img": "image", "audio": "audio", "video": "video"}
 HF_MODALITIES = {"Image": "image", "Audio": "audio", "Video": "video", "ClassLabel": "meta"}
 SNIFF_CELLS = 8
+MEDIA = ("image", "audio", "video")
+COMPANION_SUFFIXES = ("_ext", "_extension", "_format")
+COMPANION_NAMES = ("ext", "extension", "format")
 
 
 def _is(arrow_type: pa.DataType, names: Any) -> bool:
@@ -118,35 +132,85 @@ def sniff(data: bytes) -> str | None:
 
 
 class ColumnModalities:
-    """The modality of each column of one table file (module docstring), decided once per file.
+    """The modality of each column of one table file, and of each cell of the columns typed cell by cell.
 
-    A column left to sniffing is decided at the first row group (or record batch) holding a
-    non-null value of it.
+    Columns placed by rules 1-4 or by a medium's name have one modality for every row. Other binary
+    and media-struct columns are typed cell by cell (module docstring, rule 5); their default (what a
+    cell neither its companion nor its magic bytes place gets) is sniffed at the first row group (or
+    record batch) holding a non-null value of them.
     """
 
     def __init__(self, schema: pa.Schema, columns: list[str], config: IndexConfig) -> None:
         features = hf_features(schema)
-        self.columns = columns
-        self.modality: dict[str, str] = {}  # the columns decided so far
+        self.columns, self.config = columns, config
+        self.modality: dict[str, str] = {}  # the placed columns, and the per-cell columns' defaults decided so far
+        self.per_cell: list[str] = []  # in the file's order
         for column in columns:
             decided = _by_name_and_type(column, schema.field(column).type, features.get(column), config)
-            if decided is not None:
+            if decided is None:
+                self.per_cell.append(column)
+            else:
                 self.modality[column] = decided
+        self.placed_media = {m for m in self.modality.values() if m in MEDIA}
+        by_lower = {c.lower(): c for c in columns if _is(schema.field(c).type, STRING_TYPES)}
+        self.companion = {c: _companion(c, by_lower, len(self.per_cell) == 1) for c in self.per_cell}
 
     def decide(self, cells: Mapping[str, list[bytes | None]]) -> None:
-        """Sniff the undecided columns' first non-null ``cells`` (a row group's); still undecided if all null."""
-        for column in [c for c in self.columns if c not in self.modality]:  # in the file's order
+        """Sniff the per-cell columns' defaults from their first non-null ``cells`` (a row group's)."""
+        for column in [c for c in self.per_cell if c not in self.modality]:
             found = [v for v in cells[column][: 4 * SNIFF_CELLS] if v is not None][:SNIFF_CELLS]
-            if not found:
-                continue
-            votes = Counter(m for m in map(sniff, found) if m is not None)
-            sniffed = votes.most_common(1)[0][0] if votes else "meta"
-            # a second column of a medium stays meta (its bytes): the feed decodes one field per modality
-            self.modality[column] = "meta" if sniffed in self.modality.values() else sniffed
+            if found:  # a media column when at least half its first cells are media
+                votes = Counter(m for m in map(sniff, found) if m is not None)
+                media = votes.most_common(1)[0][0] if 2 * sum(votes.values()) >= len(found) else "meta"
+                self.modality[column] = media
 
-    def of(self, column: str) -> str:
-        """The column's modality (meta while undecided: its cells are all null so far)."""
-        return self.modality.get(column, "meta")
+    def of_rows(self, cells: Mapping[str, list[bytes | None]]) -> dict[str, list[str]]:
+        """Each column's modality in each row of ``cells`` (one chunk's); call `decide` on the chunk first."""
+        rows = len(next(iter(cells.values()))) if cells else 0
+        out = {c: [self.modality[c]] * rows for c in self.columns if c not in self.per_cell}
+        for number, column in enumerate(self.per_cell):
+            default = self.modality.get(column, "meta")
+            companion = self.companion[column]
+            exts = cells[companion] if companion is not None else [None] * rows
+            earlier = [out[c] for c in self.per_cell[:number]]
+            kinds = []
+            for row, (value, ext) in enumerate(zip(cells[column], exts)):
+                kind = "meta" if value is None else self._cell(value, ext, default, companion is not None)
+                if kind in MEDIA and (kind in self.placed_media or any(e[row] == kind for e in earlier)):
+                    kind = "meta"  # a second field of a medium stays meta: the feed decodes one field per modality
+                kinds.append(kind)
+            out[column] = kinds
+        return out
+
+    def _cell(self, value: bytes, ext: bytes | None, default: str, has_companion: bool) -> str:
+        """One cell's modality: its companion's extension, else its magic bytes (in a media column), else the default."""
+        if ext is not None:
+            named = _extension_modality(ext.decode("utf-8", "replace"), self.config)
+            if named is not None:
+                return named
+        if default in MEDIA or has_companion:  # a blob column's cells are never sniffed one by one
+            return sniff(value) or default
+        return default
+
+
+def _companion(column: str, strings: Mapping[str, str], alone: bool) -> str | None:
+    """The string column naming ``column``'s cells' extensions: ``<column>_ext``/``_extension``/``_format``, or
+    (``alone``: the only column typed cell by cell) ``ext``/``extension``/``format``; None if none."""
+    names = [column.lower() + suffix for suffix in COMPANION_SUFFIXES] + (list(COMPANION_NAMES) if alone else [])
+    return next((strings[name] for name in names if name in strings), None)
+
+
+def _extension_modality(ext: str, config: IndexConfig) -> str | None:
+    """The modality an extension (``jpg``, ``.FLAC``) or MIME type (``audio/flac``) names; None when it names none."""
+    name = ext.strip().lower().lstrip(".")
+    if "/" in name:
+        top = name.split("/", 1)[0]
+        return top if top in (*MEDIA, "text") else None
+    explicit = config.explicit_modality(name)
+    if explicit is not None:
+        return explicit
+    by_default = config.modality_of(name) if name else "meta"
+    return None if by_default == "meta" else by_default
 
 
 def _by_name_and_type(column: str, arrow_type: pa.DataType, feature: Any, config: IndexConfig) -> str | None:

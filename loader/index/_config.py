@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from .._config import StrictModel
@@ -13,6 +16,7 @@ _DEFAULT_EXTENSIONS: dict[str, str] = {
     **dict.fromkeys(("flac", "wav", "mp3", "ogg", "m4a"), "audio"),
     **dict.fromkeys(("txt", "text"), "text"),
 }
+
 
 class IndexConfig(StrictModel):
     """How `omnifeed index` scans sources and writes the index."""
@@ -38,6 +42,23 @@ class IndexConfig(StrictModel):
         description="Refuse a whole shard at its first damaged sample (unreadable header, ...), instead of "
         "leaving that sample out, naming it, and indexing the rest.",
     )
+    class_folders: Literal["auto", "always", "never"] = Field(
+        default="auto",
+        description="Folder sources: the class folder of each sample becomes an int64 'label' (sorted class names, "
+        "as torchvision's ImageFolder). 'auto': when the layout is unmistakably ImageFolder's (every sample one "
+        "image, video or audio file, one folder deep, in two or more folders); 'always': the top folder of every "
+        "sample; 'never'.",
+    )
+    media_root: str | None = Field(
+        default=None,
+        description="Local folder under which Parquet/Arrow media cells holding only a path (datasets' to_parquet "
+        "of local files) are read, confined to it as a folder source; None: such cells refuse their file.",
+    )
+    allow_meta_only: bool = Field(
+        default=False,
+        description="Index a folder whose samples carry no medium (no image, video, audio or text field) with a "
+        "warning, instead of refusing it.",
+    )
 
     @field_validator("tokenizer")
     @classmethod
@@ -46,6 +67,18 @@ class IndexConfig(StrictModel):
 
         make_token_counter(value)  # raises ValueError naming the choices
         return value
+
+    @field_validator("media_root")
+    @classmethod
+    def _local_folder(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if "://" in value or "::" in value:
+            raise ValueError(
+                f"{value!r}: give a local folder (media files are opened beneath it, without following "
+                "links out of it), not a URL"
+            )
+        return os.path.abspath(os.path.expanduser(value))
 
     @field_validator("modalities")
     @classmethod

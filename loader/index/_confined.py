@@ -18,6 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .._errors import SourceError
 
+
 def escapes_root(name: str) -> bool:
     """Whether a member path is empty, absolute or has a '..' component (would leave its root)."""
     return not name or name.startswith(("/", "\\")) or ".." in name.replace("\\", "/").split("/")
@@ -46,16 +47,27 @@ def inside_root(real_root: str, path: str) -> bool:
 OPENAT = os.open in os.supports_dir_fd and os.readlink in os.supports_dir_fd and hasattr(os, "O_NOFOLLOW")
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 # O_NONBLOCK: opening a FIFO for reading would wait for a writer; the file type is checked once opened
-_FILE_FLAGS = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0)
-               | getattr(os, "O_NOCTTY", 0))  # a terminal device is refused, never made the controlling one
+_FILE_FLAGS = (
+    os.O_RDONLY
+    | getattr(os, "O_NOFOLLOW", 0)
+    | getattr(os, "O_CLOEXEC", 0)
+    | getattr(os, "O_NONBLOCK", 0)
+    | getattr(os, "O_NOCTTY", 0)
+)  # a terminal device is refused, never made the controlling one
 _MAX_LINKS = 40  # as the kernel's own limit for one path
 FIX_LINK = "copy the file into the folder or remove the link, then re-run `omnifeed index`"
 
 
 def file_type(mode: int) -> str:
     """What a file that is not a regular one is, in words."""
-    for test, name in ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-                       (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "folder"), (stat.S_ISLNK, "symbolic link")):
+    for test, name in (
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISDIR, "folder"),
+        (stat.S_ISLNK, "symbolic link"),
+    ):
         if test(mode):
             return name
     return "regular file" if stat.S_ISREG(mode) else "special file"
@@ -101,8 +113,11 @@ def open_beneath(root: str, relative: str, where: str, url: str) -> int:
             except OSError as exc:
                 links += 1
                 if links > _MAX_LINKS:
-                    raise SourceError(f"{where}: a symbolic link loop (more than {_MAX_LINKS} links); remove or fix "
-                                      "the link, then re-run `omnifeed index`", url=url) from None
+                    raise SourceError(
+                        f"{where}: a symbolic link loop (more than {_MAX_LINKS} links); remove or fix "
+                        "the link, then re-run `omnifeed index`",
+                        url=url,
+                    ) from None
                 try:
                     os.readlink(part, dir_fd=stack[-1])
                 except OSError as not_link:
@@ -121,12 +136,13 @@ def open_beneath(root: str, relative: str, where: str, url: str) -> int:
                     pending.append(part)
                     continue
                 if not inside_root(real_root, real):
-                    raise SourceError(f"{where}: a symbolic link to {real}, outside the folder; {FIX_LINK}",
-                                      url=url) from None
+                    raise SourceError(
+                        f"{where}: a symbolic link to {real}, outside the folder; {FIX_LINK}", url=url
+                    ) from None
                 while len(stack) > 1:
                     os.close(stack.pop())
                 names.clear()
-                pending.extend(reversed(real[len(real_root):].split("/")))
+                pending.extend(reversed(real[len(real_root) :].split("/")))
                 continue
             if last:
                 try:

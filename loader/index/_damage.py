@@ -13,7 +13,7 @@ every damage did before issue 18.
 | ``encoding`` | a text field that is not UTF-8 | the sample |
 | ``field_twice`` | two members of one sample with the same (lower-cased) field name | the sample |
 | ``not_adjacent`` | a key's members appearing again after other samples | the later members (the first run is kept, as WebDataset reads it) |
-| ``no_bytes`` | a Parquet/Arrow image or audio cell holding a path but no bytes | the row |
+| ``no_bytes`` | a Parquet/Arrow media cell holding a path but no bytes, whose file cannot be read beneath ``IndexConfig.media_root`` (without a root the file is refused) | the row |
 | ``truncated`` | a tar unreadable past a point: a corrupt header, a member past the end, no end marker | the sample being read and the rest of the shard |
 | ``sparse`` | a GNU sparse tar member (it cannot be read back by offset) | the sample being read and the rest of the shard |
 | ``oversized_header`` | a tar extended header declaring more than 1 MiB | the sample being read and the rest of the shard |
@@ -39,8 +39,17 @@ DAMAGED_FILE = "damaged.jsonl"
 MANIFEST_LIST_MAX = 100
 """Damaged samples listed in the manifest itself; more go to ``DAMAGED_FILE``."""
 
-REASONS = ("header", "bomb", "encoding", "field_twice", "not_adjacent", "no_bytes", "truncated", "sparse",
-           "oversized_header")
+REASONS = (
+    "header",
+    "bomb",
+    "encoding",
+    "field_twice",
+    "not_adjacent",
+    "no_bytes",
+    "truncated",
+    "sparse",
+    "oversized_header",
+)
 
 
 def damage_summary(damaged: list[dict[str, str]]) -> dict[str, object]:
@@ -49,8 +58,11 @@ def damage_summary(damaged: list[dict[str, str]]) -> dict[str, object]:
     by_reason: dict[str, int] = {}
     for entry in damaged:
         by_reason[entry["reason"]] = by_reason.get(entry["reason"], 0) + 1
-    summary: dict[str, object] = {"count": len(damaged), "by_reason": dict(sorted(by_reason.items())),
-                                  "samples": damaged[:MANIFEST_LIST_MAX]}
+    summary: dict[str, object] = {
+        "count": len(damaged),
+        "by_reason": dict(sorted(by_reason.items())),
+        "samples": damaged[:MANIFEST_LIST_MAX],
+    }
     if len(damaged) > MANIFEST_LIST_MAX:
         summary["file"] = DAMAGED_FILE
     return summary
@@ -90,6 +102,10 @@ class Damage:
         if not scan.samples and self.samples:
             first, more = self.samples[0], len(self.samples) - 1
             others = f" (and {more} more damaged sample{'s' if more > 1 else ''})" if more else ""
-            raise ShardDamaged(f"{self.url}: no sample could be indexed, every one is damaged{others}; the first: "
-                               f"{first.error}", url=self.url, key=first.key or None, damaged=self.samples)
+            raise ShardDamaged(
+                f"{self.url}: no sample could be indexed, every one is damaged{others}; the first: {first.error}",
+                url=self.url,
+                key=first.key or None,
+                damaged=self.samples,
+            )
         return scan

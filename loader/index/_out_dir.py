@@ -5,6 +5,13 @@
 omnifeed index and nothing else (its ``manifest.json`` says so); anything else is refused with
 a one-line error before a shard is scanned. The old index is moved aside in one rename, so
 ``out`` never holds a mix of two indexes, and then only omnifeed's own files are deleted from it.
+
+The building folder (``.NAME.building-XXXX``) holds ``BUILD_OWNER``: the pid, host and start time
+of the process building it. A run killed before it could clean up (SIGKILL, a node lost) leaves
+it; the next build of the same ``out`` removes it when it is provably a dead build's: a real
+folder of this user holding a regular owner file of this user, written on this host, whose
+process is gone (or whose pid now belongs to a process started at another time). Anything else
+is left alone.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ import json
 import logging
 import os
 import re
+import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -38,21 +47,34 @@ def index_files_to_replace(out: Path) -> list[str]:
         raise OmnifeedError(f"{out}: exists and is not a folder; {what_to_do}")
     owner = out.stat().st_uid
     if owner != os.getuid():
-        raise OmnifeedError(f"{out}: a folder of {describe_uid(owner)}, not of this user "
-                            f"({describe_uid(os.getuid())}); omnifeed writes an index only to a folder of yours: "
-                            f"{what_to_do}")
+        raise OmnifeedError(
+            f"{out}: a folder of {describe_uid(owner)}, not of this user "
+            f"({describe_uid(os.getuid())}); omnifeed writes an index only to a folder of yours: "
+            f"{what_to_do}"
+        )
     names = sorted(entry.name for entry in out.iterdir())
     if not names:
         return []
-    foreign = [name for name in names if not (
-        (name in _OWN_NAMES or _OWN_FILE.fullmatch(name)) and (out / name).is_file() and not (out / name).is_symlink())]
+    foreign = [
+        name
+        for name in names
+        if not (
+            (name in _OWN_NAMES or _OWN_FILE.fullmatch(name))
+            and (out / name).is_file()
+            and not (out / name).is_symlink()
+        )
+    ]
     if MANIFEST not in names or not _is_omnifeed_manifest(out / MANIFEST):
-        raise OmnifeedError(f"{out}: not empty and not an omnifeed index (no omnifeed manifest.json); omnifeed "
-                            f"replaces only an empty folder or an index it wrote: {what_to_do}")
+        raise OmnifeedError(
+            f"{out}: not empty and not an omnifeed index (no omnifeed manifest.json); omnifeed "
+            f"replaces only an empty folder or an index it wrote: {what_to_do}"
+        )
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise OmnifeedError(f"{out}: holds an omnifeed index and files omnifeed did not write ({shown}), which it "
-                            f"will not delete: move them away, {what_to_do}")
+        raise OmnifeedError(
+            f"{out}: holds an omnifeed index and files omnifeed did not write ({shown}), which it "
+            f"will not delete: move them away, {what_to_do}"
+        )
     return names
 
 
@@ -83,3 +105,82 @@ def replace_index(out: Path, work: Path) -> None:
         aside.rmdir()
     except OSError:  # something was written into out while it was checked: left where it is now
         log.warning("%s: files appeared in the old index while it was replaced; they are kept in %s", out, aside)
+
+
+BUILD_OWNER = ".omnifeed-build-owner"
+"""The file in a building folder naming the process building it: JSON ``{"pid", "host", "start"}``."""
+
+
+def building_folder(out: Path) -> Path:
+    """A fresh folder beside ``out`` to build its index in, holding ``BUILD_OWNER``; dead builds' folders removed."""
+    remove_dead_builds(out)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.building-", dir=out.parent))
+    owner = {"pid": os.getpid(), "host": socket.gethostname(), "start": _started(os.getpid())}
+    (work / BUILD_OWNER).write_text(json.dumps(owner), encoding="utf-8")
+    return work
+
+
+def release_building_folder(work: Path) -> None:
+    """Take the owner file out of a finished building folder (it becomes the index, which holds only its own files)."""
+    (work / BUILD_OWNER).unlink(missing_ok=True)
+
+
+def remove_dead_builds(out: Path) -> list[Path]:
+    """Remove the building folders of ``out`` that killed runs left (module docstring); the folders removed."""
+    removed = []
+    prefix = f".{out.name}.building-"
+    try:
+        entries = [entry for entry in out.parent.iterdir() if entry.name.startswith(prefix)]
+    except OSError:
+        return []
+    for entry in sorted(entries):
+        pid = _dead_owner(entry)
+        if pid is None:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        log.info("removed %s, left by a build of %s that was stopped (process %d is gone)", entry, out, pid)
+        removed.append(entry)
+    return removed
+
+
+def _dead_owner(folder: Path) -> int | None:
+    """The pid of the dead process that built ``folder``; None unless that is certain."""
+    try:
+        if folder.is_symlink() or not folder.is_dir() or folder.lstat().st_uid != os.getuid():
+            return None
+        marker = folder / BUILD_OWNER
+        info = marker.lstat()
+        if not marker.is_file() or marker.is_symlink() or info.st_uid != os.getuid():
+            return None
+        owner = json.loads(marker.read_text(encoding="utf-8"))
+        pid = int(owner["pid"])
+        if owner.get("host") != socket.gethostname() or pid <= 0:
+            return None  # another node's build over a shared file system: its process cannot be seen from here
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if pid == os.getpid():
+        return None
+    started = _started(pid)
+    alive = started is not None or _exists(pid)
+    if alive and (started is None or started == owner.get("start")):
+        return None
+    return pid
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process now has the pid
+        return True
+    return True
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot, from /proc), or None (no such process, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None

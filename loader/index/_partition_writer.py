@@ -38,7 +38,8 @@ class IndexReport:
 
     ``errors``: shards refused and keys found twice (``source``, ``error``, maybe ``key``);
     ``damaged``: every sample left out as damaged (``file``, ``key``, ``member``, ``reason``,
-    ``error``: ``_damage``), in shard order.
+    ``error``: ``_damage``), in shard order; ``classes``: the class names of ImageFolder labels
+    (``label`` n is ``classes[n]``), [] when the samples have none.
     """
 
     path: Path
@@ -47,6 +48,7 @@ class IndexReport:
     shards: int
     errors: list[dict[str, str]] = field(default_factory=list)
     damaged: list[dict[str, str]] = field(default_factory=list)
+    classes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -95,13 +97,21 @@ class PartitionSpill:
 
 
 def write_index_files(
-    out: Path, spill: PartitionSpill, shards: list[ShardSpec], shard_bytes: list[int], config: IndexConfig,
-    errors: list[dict[str, str]], damaged: list[dict[str, str]] | None = None,
+    out: Path,
+    spill: PartitionSpill,
+    shards: list[ShardSpec],
+    shard_bytes: list[int],
+    config: IndexConfig,
+    errors: list[dict[str, str]],
+    damaged: list[dict[str, str]] | None = None,
+    *,
+    classes: list[str] | None = None,
 ) -> IndexReport:
     """Write the index into ``out`` from the spilled rows; duplicated keys are appended to ``errors``.
 
     ``damaged``: the samples left out as damaged, summed up in the manifest (all of them in
-    ``damaged.jsonl`` when there are more than the manifest lists). Raises ``SourceError`` when
+    ``damaged.jsonl`` when there are more than the manifest lists); ``classes``: the class names
+    of the samples' ImageFolder labels (the manifest's ``classes``). Raises ``SourceError`` when
     no sample at all is left to index.
     """
     damaged = damaged or []
@@ -109,7 +119,10 @@ def write_index_files(
     for p, table in enumerate(spill.partitions_in_order()):
         table = _dedupe_sorted(table.sort_by([("key", "ascending"), ("shard", "ascending")]), shards, errors)
         pq.write_table(table, out / partition_file(p, "parquet"), row_group_size=_ROW_GROUP_ROWS, compression="zstd")
-        with pa.OSFile(str(out / partition_file(p, "arrow")), "wb") as sink, pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
+        with (
+            pa.OSFile(str(out / partition_file(p, "arrow")), "wb") as sink,
+            pa.ipc.new_file(sink, ROW_SCHEMA) as writer,
+        ):
             writer.write_table(table, max_chunksize=_ROW_GROUP_ROWS)
         partitions.append({"file": partition_file(p, "parquet"), "rows": table.num_rows})
         digests.append(xxhash.xxh3_64_hexdigest(table["row_digest"].to_numpy().astype("<u8").tobytes()))
@@ -123,31 +136,52 @@ def write_index_files(
     np.save(out / BY_SHARD, np.lexsort((placement["shard_row"].to_numpy(), shard_ids)).astype(np.int64))
     counts = np.bincount(shard_ids, minlength=len(shards))
     pq.write_table(
-        pa.table({
-            "shard": pa.array(range(len(shards)), pa.int32()), "url": [s.url for s in shards],
-            "kind": [s.kind for s in shards], "size_bytes": pa.array(shard_bytes, pa.int64()),
-            "num_samples": pa.array(counts, pa.int64()),
-        }),
+        pa.table(
+            {
+                "shard": pa.array(range(len(shards)), pa.int32()),
+                "url": [s.url for s in shards],
+                "kind": [s.kind for s in shards],
+                "size_bytes": pa.array(shard_bytes, pa.int64()),
+                "num_samples": pa.array(counts, pa.int64()),
+            }
+        ),
         out / SHARDS,
     )
     content = {
-        "format": INDEX_FORMAT, "config": config.model_dump(include={"tokenizer", "modalities", "key_column"}),
-        "shards": [[s.url, s.kind, b] for s, b in zip(shards, shard_bytes)], "partitions": digests,
+        "format": INDEX_FORMAT,
+        "config": config.model_dump(include={"tokenizer", "modalities", "key_column"}),
+        "shards": [[s.url, s.kind, b] for s, b in zip(shards, shard_bytes)],
+        "partitions": digests,
     }
     fingerprint = xxhash.xxh3_128_hexdigest(json.dumps(content, sort_keys=True).encode())
     lengths = pa.concat_tables(length_cols)
     manifest = {
-        "format": INDEX_FORMAT, "num_samples": num_samples, "fingerprint": fingerprint,
-        "partitions": partitions, "shards": len(shards), "key_hash": "xxh64(utf-8 key) % partitions",
-        "modalities": _modality_counts(lengths, num_samples), "lengths": _length_stats(lengths),
-        "config": config.model_dump(), "errors": errors, "damaged": damage_summary(damaged),
+        "format": INDEX_FORMAT,
+        "num_samples": num_samples,
+        "fingerprint": fingerprint,
+        "partitions": partitions,
+        "shards": len(shards),
+        "key_hash": "xxh64(utf-8 key) % partitions",
+        "modalities": _modality_counts(lengths, num_samples),
+        "lengths": _length_stats(lengths),
+        "config": config.model_dump(),
+        "errors": errors,
+        "damaged": damage_summary(damaged),
+        "classes": list(classes or []),
     }
     if "file" in manifest["damaged"]:
         with open(out / DAMAGED_FILE, "w", encoding="utf-8") as listing:
             listing.writelines(json.dumps(entry) + "\n" for entry in damaged)
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    return IndexReport(path=out, num_samples=num_samples, fingerprint=fingerprint, shards=len(shards), errors=errors,
-                       damaged=damaged)
+    return IndexReport(
+        path=out,
+        num_samples=num_samples,
+        fingerprint=fingerprint,
+        shards=len(shards),
+        errors=errors,
+        damaged=damaged,
+        classes=list(classes or []),
+    )
 
 
 def _dedupe_sorted(table: pa.Table, shards: list[ShardSpec], errors: list[dict[str, str]]) -> pa.Table:
@@ -162,11 +196,14 @@ def _dedupe_sorted(table: pa.Table, shards: list[ShardSpec], errors: list[dict[s
     shard_ids = table["shard"].to_numpy()
     for r in dup_rows.tolist():
         key, first, again = keys[r].as_py(), shards[shard_ids[r - 1]].url, shards[shard_ids[r]].url
-        errors.append({
-            "source": again, "key": key,
-            "error": f"duplicate key {key!r} in {again} (also in {first}); kept the first. "
-            "Keys must be unique across sources: rename one, or index the sources separately",
-        })
+        errors.append(
+            {
+                "source": again,
+                "key": key,
+                "error": f"duplicate key {key!r} in {again} (also in {first}); kept the first. "
+                "Keys must be unique across sources: rename one, or index the sources separately",
+            }
+        )
     keep = np.ones(table.num_rows, dtype=bool)
     keep[dup_rows] = False
     return table.filter(pa.array(keep))
@@ -174,8 +211,10 @@ def _dedupe_sorted(table: pa.Table, shards: list[ShardSpec], errors: list[dict[s
 
 def _modality_counts(lengths: pa.Table, num_samples: int) -> dict[str, int]:
     has = {
-        "text": lengths["text_tokens"], "image": lengths["image_width"],
-        "video": lengths["video_frames"], "audio": lengths["audio_seconds"],
+        "text": lengths["text_tokens"],
+        "image": lengths["image_width"],
+        "video": lengths["video_frames"],
+        "audio": lengths["audio_seconds"],
     }
     counts = {m: int(pc.sum(pc.greater(col, 0)).as_py() or 0) for m, col in has.items()}
     return {"samples": num_samples, **counts}
@@ -190,8 +229,11 @@ def _length_stats(lengths: pa.Table) -> dict[str, dict[str, float]]:
             continue
         q = np.quantile(values, list(_STAT_QUANTILES.values()))
         stats[name] = {
-            "count": int(values.size), "min": float(values.min()), "max": float(values.max()),
-            "mean": float(values.mean()), "sum": float(values.sum(dtype=np.float64)),
+            "count": int(values.size),
+            "min": float(values.min()),
+            "max": float(values.max()),
+            "mean": float(values.mean()),
+            "sum": float(values.sum(dtype=np.float64)),
             **{k: float(v) for k, v in zip(_STAT_QUANTILES, q)},
         }
     return stats

@@ -20,9 +20,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from ._config import IndexConfig
 from .._errors import OmnifeedError
 from ._build import build_index
+from ._config import IndexConfig
 from ._partition_writer import IndexReport
 from ._records import ShardSpec
 from ._scan_pool import ScanResult, scan_job
@@ -79,8 +79,10 @@ def _check_reachable(address: str) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_TIMEOUT_S).close()
     except OSError as exc:
-        raise OmnifeedError(f"no Ray cluster answers at {address} ({exc}); check the address "
-                            "(the head node's GCS port, 6379 by default) and that the cluster is up") from exc
+        raise OmnifeedError(
+            f"no Ray cluster answers at {address} ({exc}); check the address "
+            "(the head node's GCS port, 6379 by default) and that the cluster is up"
+        ) from exc
 
 
 def cluster_cpus(ray: ModuleType) -> int:
@@ -89,8 +91,13 @@ def cluster_cpus(ray: ModuleType) -> int:
 
 
 def build_index_ray(
-    sources: Sequence[str], out: str | Path, config: IndexConfig | None = None, *, address: str | None = None,
-    progress: bool = True, shards_per_task: int | None = None,
+    sources: Sequence[str],
+    out: str | Path,
+    config: IndexConfig | None = None,
+    *,
+    address: str | None = None,
+    progress: bool = True,
+    shards_per_task: int | None = None,
 ) -> IndexReport:
     """`build_index` with shards scanned as Ray tasks (``config.workers`` is not used).
 
@@ -110,12 +117,14 @@ def _scan_group(jobs: list[tuple[int, ShardSpec, IndexConfig]]) -> list[ScanResu
     return [scan_job(job) for job in jobs]
 
 
-def _scan_on_ray(ray: Any, shards_per_task: int | None, shards: list[ShardSpec], config: IndexConfig) -> Iterator[ScanResult]:
+def _scan_on_ray(
+    ray: Any, shards_per_task: int | None, shards: list[ShardSpec], config: IndexConfig
+) -> Iterator[ScanResult]:
     """Scan results as their tasks finish, at most a few tasks per CPU in flight."""
     cpus = cluster_cpus(ray)
     per_task = shards_per_task or max(1, min(_MAX_SHARDS_PER_TASK, math.ceil(len(shards) / (_TASKS_PER_CPU * cpus))))
     jobs = [(i, shard, config) for i, shard in enumerate(shards)]
-    groups = [jobs[i:i + per_task] for i in range(0, len(jobs), per_task)]
+    groups = [jobs[i : i + per_task] for i in range(0, len(jobs), per_task)]
     task = ray.remote(num_cpus=1)(_scan_group)
     log.info("scanning %d shards as %d Ray tasks on %d CPUs", len(shards), len(groups), cpus)
     waiting = iter(groups)
@@ -131,8 +140,10 @@ def _scan_on_ray(ray: Any, shards_per_task: int | None, shards: list[ShardSpec],
             results: list[ScanResult] = ray.get(ready[0])
         except ray.exceptions.RayError as exc:
             urls = ", ".join(shard.url for _, shard, _ in group[:3]) + (" ..." if len(group) > 3 else "")
-            raise OmnifeedError(f"a Ray scan task failed on shards {urls}: {type(exc).__name__}: {exc}; "
-                                "check the nodes' logs (`ray logs`), or index without --ray to see the error here") from exc
+            raise OmnifeedError(
+                f"a Ray scan task failed on shards {urls}: {type(exc).__name__}: {exc}; "
+                "check the nodes' logs (`ray logs`), or index without --ray to see the error here"
+            ) from exc
         next_group = next(waiting, None)
         if next_group is not None:
             in_flight[task.remote(next_group)] = next_group

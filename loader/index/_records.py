@@ -86,9 +86,13 @@ class ShardSpec:
 
 @dataclass
 class ShardScan:
-    """The result of scanning one shard: its samples in shard order, and those left out as damaged."""
+    """The result of scanning one shard: its samples in shard order, and those left out as damaged.
+
+    ``classes``: a folder's class names, whose positions its samples' ``label`` fields hold (``_class_folders``).
+    """
 
     shard: ShardSpec
     samples: list[ScannedSample] = field(default_factory=list)
     size_bytes: int = 0
     damaged: list[DamagedSample] = field(default_factory=list)
+    classes: list[str] = field(default_factory=list)

@@ -47,7 +47,13 @@ LENGTH_COLUMNS: dict[str, pa.DataType] = {
     "audio_sample_rate": pa.int32(),
 }
 FIELD_TYPE = pa.struct(
-    [("name", pa.string()), ("modality", pa.string()), ("member", pa.string()), ("offset", pa.int64()), ("size", pa.int64())]
+    [
+        ("name", pa.string()),
+        ("modality", pa.string()),
+        ("member", pa.string()),
+        ("offset", pa.int64()),
+        ("size", pa.int64()),
+    ]
 )
 ROW_SCHEMA = pa.schema(
     [
@@ -90,7 +96,9 @@ class SampleIndex:
         self.path = Path(path)
         manifest_path = self.path / MANIFEST
         if not manifest_path.is_file():
-            raise IndexFormatError(f"{self.path}: no {MANIFEST}; is this an omnifeed index? Build one with `omnifeed index`.")
+            raise IndexFormatError(
+                f"{self.path}: no {MANIFEST}; is this an omnifeed index? Build one with `omnifeed index`."
+            )
         try:
             self.manifest: dict[str, Any] = json.loads(manifest_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:
@@ -116,16 +124,24 @@ class SampleIndex:
                 table = pa.ipc.open_file(pa.memory_map(str(arrow_path), "r")).read_all()
                 table.validate()  # buffer sizes against lengths (cheap); values are checked on first read
             except (OSError, pa.ArrowException) as exc:
-                raise IndexFormatError(f"{arrow_path}: unreadable ({exc}); delete it (it is re-created from "
-                                       f"{part['file']}) or rebuild the index") from exc
+                raise IndexFormatError(
+                    f"{arrow_path}: unreadable ({exc}); delete it (it is re-created from "
+                    f"{part['file']}) or rebuild the index"
+                ) from exc
             if not table.schema.equals(ROW_SCHEMA):
-                raise IndexFormatError(f"{arrow_path}: not the columns of an {INDEX_FORMAT} index; delete it (it is "
-                                       f"re-created from {part['file']}) or rebuild the index")
+                raise IndexFormatError(
+                    f"{arrow_path}: not the columns of an {INDEX_FORMAT} index; delete it (it is "
+                    f"re-created from {part['file']}) or rebuild the index"
+                )
             if table.num_rows != part["rows"]:
-                raise IndexFormatError(f"{arrow_path}: {table.num_rows} rows, manifest says {part['rows']}; rebuild the index")
+                raise IndexFormatError(
+                    f"{arrow_path}: {table.num_rows} rows, manifest says {part['rows']}; rebuild the index"
+                )
             if any(_nulls(chunk) for column in table.columns for chunk in column.chunks):  # counts from the metadata
-                raise IndexFormatError(f"{arrow_path}: null values, which an index never holds; delete it (it is "
-                                       f"re-created from {part['file']}) or rebuild the index")
+                raise IndexFormatError(
+                    f"{arrow_path}: null values, which an index never holds; delete it (it is "
+                    f"re-created from {part['file']}) or rebuild the index"
+                )
             tables.append(table)
         if not tables:
             return ROW_SCHEMA.empty_table()
@@ -140,15 +156,17 @@ class SampleIndex:
                 array.validate(full=True)
             except pa.ArrowException as exc:
                 first, last = self._chunk_starts[chunk], self._chunk_starts[chunk + 1] - 1
-                raise IndexFormatError(f"{self.path}: column {name!r} of rows {first}..{last} is damaged ({exc}); "
-                                       "rebuild the index") from exc
+                raise IndexFormatError(
+                    f"{self.path}: column {name!r} of rows {first}..{last} is damaged ({exc}); rebuild the index"
+                ) from exc
             self._checked.add((name, chunk))
         return array
 
     def _column(self, name: str) -> pa.ChunkedArray:
         """A whole column, every chunk validated."""
-        return pa.chunked_array([self._chunk(name, i) for i in range(self._rows[name].num_chunks)],
-                                type=self._rows[name].type)
+        return pa.chunked_array(
+            [self._chunk(name, i) for i in range(self._rows[name].num_chunks)], type=self._rows[name].type
+        )
 
     def __len__(self) -> int:
         return self.num_samples
@@ -180,6 +198,12 @@ class SampleIndex:
         back = np.empty(positions.size, dtype=np.int64)
         back[np.concatenate(placed)] = np.arange(positions.size)
         return gathered.take(pa.array(back))
+
+    @property
+    def classes(self) -> list[str]:
+        """The class names of the samples' ImageFolder labels: ``label`` n is ``classes[n]`` ([] when none)."""
+        classes = self.manifest.get("classes")
+        return [str(name) for name in classes] if isinstance(classes, list) else []
 
     def column(self, name: str) -> np.ndarray:
         """A whole per-sample column (e.g. a length column) as a numpy array."""
@@ -220,13 +244,18 @@ class SampleIndex:
 
     def _to_sample(self, position: int, row: dict[str, Any]) -> IndexedSample:
         if not 0 <= row["shard"] < len(self.shards):
-            raise IndexFormatError(f"{self.path}: the row at position {position} names shard {row['shard']}, but "
-                                   f"{SHARDS} lists {len(self.shards)}; rebuild the index")
+            raise IndexFormatError(
+                f"{self.path}: the row at position {position} names shard {row['shard']}, but "
+                f"{SHARDS} lists {len(self.shards)}; rebuild the index"
+            )
         return IndexedSample(
-            position=position, key=row["key"], shard=self.shards[row["shard"]],
+            position=position,
+            key=row["key"],
+            shard=self.shards[row["shard"]],
             fields=tuple(FieldLocation(**f) for f in row["fields"]),
             lengths=SampleLengths(**{name: row[name] for name in LENGTH_COLUMNS}),
-            row_group=row["row_group"], row=row["row"],
+            row_group=row["row_group"],
+            row=row["row"],
         )
 
     def positions_of(self, keys: list[str] | pa.Array) -> np.ndarray:
@@ -247,8 +276,10 @@ def _write_arrow_copy(parquet_path: Path, arrow_path: Path) -> None:
                 writer.write_table(source.read_row_group(group).cast(ROW_SCHEMA))
     except (OSError, pa.ArrowException, ValueError, TypeError, KeyError) as exc:  # a bad file or other columns
         tmp.unlink(missing_ok=True)
-        raise IndexFormatError(f"{parquet_path}: unreadable partition ({type(exc).__name__}: {exc}); "
-                               "rebuild the index with `omnifeed index`") from exc
+        raise IndexFormatError(
+            f"{parquet_path}: unreadable partition ({type(exc).__name__}: {exc}); "
+            "rebuild the index with `omnifeed index`"
+        ) from exc
     tmp.replace(arrow_path)
 
 
@@ -287,8 +318,12 @@ def _check_manifest(manifest: Any, path: Path) -> int:
     elif not isinstance(manifest.get("fingerprint"), str):
         problem = "'fingerprint' is not a string"
     elif not isinstance(partitions, list) or not all(
-            isinstance(p, dict) and _is_count(p.get("rows")) and isinstance(p.get("file"), str)
-            and _PARTITION_FILE.fullmatch(p["file"]) for p in partitions):
+        isinstance(p, dict)
+        and _is_count(p.get("rows"))
+        and isinstance(p.get("file"), str)
+        and _PARTITION_FILE.fullmatch(p["file"])
+        for p in partitions
+    ):
         problem = "'partitions' is not a list of {file: 'part-NNNNN.parquet', rows: count}"
     elif sum(p["rows"] for p in partitions) != manifest["num_samples"]:
         problem = f"the partitions hold {sum(p['rows'] for p in partitions)} rows, not num_samples"
@@ -305,18 +340,24 @@ def _read_shards(path: Path, num_samples: int) -> tuple[list[ShardSpec], np.ndar
         urls, kinds = table["url"].to_pylist(), table["kind"].to_pylist()
         sizes = np.asarray(table["num_samples"].to_numpy(zero_copy_only=False), dtype=np.int64)
     except (OSError, pa.ArrowException, KeyError, ValueError, TypeError) as exc:
-        raise IndexFormatError(f"{path}: unreadable shard table ({type(exc).__name__}: {exc}); "
-                               "rebuild the index") from exc
+        raise IndexFormatError(
+            f"{path}: unreadable shard table ({type(exc).__name__}: {exc}); rebuild the index"
+        ) from exc
     for url, kind in zip(urls, kinds):
         if kind not in get_args(SourceKind) or not isinstance(url, str) or not url:
-            raise IndexFormatError(f"{path}: shard {url!r} of kind {kind!r} is not a tar, parquet, arrow or folder shard; "
-                                   "rebuild the index")
+            raise IndexFormatError(
+                f"{path}: shard {url!r} of kind {kind!r} is not a tar, parquet, arrow or folder shard; "
+                "rebuild the index"
+            )
         if "://" not in url and "::" not in url and not url.startswith("/"):
-            raise IndexFormatError(f"{path}: shard path {url!r} is relative (an index names its shards by absolute "
-                                   "path or URL); rebuild the index")
+            raise IndexFormatError(
+                f"{path}: shard path {url!r} is relative (an index names its shards by absolute "
+                "path or URL); rebuild the index"
+            )
     if sizes.sum() != num_samples or (sizes < 0).any():
-        raise IndexFormatError(f"{path}: shard sample counts add up to {sizes.sum()}, not {num_samples}; "
-                               "rebuild the index")
+        raise IndexFormatError(
+            f"{path}: shard sample counts add up to {sizes.sum()}, not {num_samples}; rebuild the index"
+        )
     return [ShardSpec(url=u, kind=k) for u, k in zip(urls, kinds)], sizes
 
 
@@ -327,6 +368,8 @@ def _map_by_shard(path: Path, num_samples: int) -> np.ndarray:
     except Exception as exc:  # numpy's header parser raises ValueError, SyntaxError, tokenize.TokenError, ...
         raise IndexFormatError(f"{path}: unreadable ({type(exc).__name__}: {exc}); rebuild the index") from exc
     if array.shape != (num_samples,) or array.dtype != np.dtype("<i8"):
-        raise IndexFormatError(f"{path}: {array.dtype} array of shape {array.shape}, expected {num_samples} int64 "
-                               "positions; rebuild the index")
+        raise IndexFormatError(
+            f"{path}: {array.dtype} array of shape {array.shape}, expected {num_samples} int64 "
+            "positions; rebuild the index"
+        )
     return array

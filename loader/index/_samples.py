@@ -42,6 +42,10 @@ class FieldTwice(SourceError):
 def add_field(url: str, key: str, items: Items, location: FieldLocation, data: bytes) -> None:
     """Append one field to a sample's ``items``; FieldTwice when the sample has that field already."""
     if any(other.name == location.name for other, _ in items):
-        raise FieldTwice(f"{url}: sample {key!r} has field {location.name!r} twice (names are lower-cased); "
-                         "rename or remove one of them", url=url, key=key)
+        raise FieldTwice(
+            f"{url}: sample {key!r} has field {location.name!r} twice (names are lower-cased); "
+            "rename or remove one of them",
+            url=url,
+            key=key,
+        )
     items.append((location, data))

@@ -1,18 +1,15 @@
 """Scanning one shard into ScannedSample records: keys, field locations, lengths, digests.
 
-WebDataset conventions for tar shards and folders: a sample's key is the member path up
-to the first dot of its basename, the rest (lower-cased) its field; a tar sample's members
-are adjacent. Parquet and Arrow files: one row per sample (``_table_scan``). A damaged sample
+WebDataset conventions for tar shards (``_names``): a sample's key is the member path up to the
+first dot of its basename, the rest (lower-cased) its field; a tar sample's members are adjacent.
+Folders: ``_folder_scan``. Parquet and Arrow files: one row per sample (``_table_scan``). A damaged sample
 is left out and named, the rest of the shard indexed (``_damage``; all of it refused when strict).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import os
 import re
-import stat
 import tarfile
 from collections.abc import Callable
 from typing import Any
@@ -20,13 +17,14 @@ from typing import Any
 import pyarrow as pa
 from fsspec.core import url_to_fs
 
-from ._config import IndexConfig
 from .._errors import SourceError
+from ._config import IndexConfig
 from ._damage import Damage
+from ._folder_scan import scan_folder
+from ._names import split_name
 from ._probe import FieldProbeError
 from ._records import FieldLocation, ShardScan, ShardSpec
 from ._samples import FieldTwice, Items, add_field, make_sample
-from ._confined import OPENAT, escapes_root, file_type, inside_root, on_local_disk, open_beneath, read_whole
 from ._sources import RECREATE_SHARD, as_source_error
 from ._table_scan import scan_arrow, scan_parquet
 from ._tokenizers import TokenCounter, make_token_counter
@@ -34,36 +32,15 @@ from ._tokenizers import TokenCounter, make_token_counter
 logger = logging.getLogger(__name__)
 
 _COMPRESSED_MAGIC = re.compile(rb"\x1f\x8b|BZh[1-9]1AY&SY|\xfd7zXZ\x00|\x28\xb5\x2f\xfd")  # gzip bz2 xz zstd
-_WDS_META = re.compile(r"__[^/]*__($|/)")  # webdataset skips such members
-# webdataset.tariterators.base_plus_ext's pattern, verbatim: importing webdataset imports torch,
-# two seconds and hundreds of MB in every scan worker for one regular expression.
-_BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
-
-
-def _split_name(url: str, name: str) -> tuple[str, str] | None:
-    """(key, field) of a member or file path by the WebDataset convention; None to skip it."""
-    if escapes_root(name):
-        raise SourceError(f"{url}: member {name!r} escapes its root (absolute or '..'); {RECREATE_SHARD}", url=url)
-    if not name.isascii():
-        try:
-            name.encode("utf-8")  # tarfile and os decode undecodable bytes to lone surrogates
-        except UnicodeEncodeError:
-            raise SourceError(f"{url}: member {name!r} is not valid UTF-8 (keys and field names must be); "
-                              f"rename it, or {RECREATE_SHARD}", url=url) from None
-    if name.rsplit("/", 1)[-1].startswith(".") or _WDS_META.match(name):
-        return None
-    match = _BASE_PLUS_EXT.match(name)
-    key, ext = (match.group(1), match.group(2)) if match else (None, None)
-    if key is None or not ext:
-        logger.warning("%s: skipping %r: no extension, so no field name", url, name)
-        return None
-    return key, ext.lower()
-
-
 _MAX_HEADER_BYTES = 1 << 20  # a pax or GNU long-name header's own data: paths and attributes, never this large
 _MAX_HEADER_CHAIN = 16  # extended headers before one member (tar writes at most a few); tarfile recurses per header
-_EXTENDED_TYPES = (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE, tarfile.GNUTYPE_LONGNAME,
-                   tarfile.GNUTYPE_LONGLINK)
+_EXTENDED_TYPES = (
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+)
 _NO_SPARSE = "sparse members cannot be read by offset: re-create the shard without --sparse (-S)"
 
 
@@ -92,12 +69,19 @@ class _CheckedTarInfo(tarfile.TarInfo):
         if self.type not in _EXTENDED_TYPES:
             return super()._proc_member(tarfile_)  # type: ignore[misc]  # private in typeshed, there since Python 3.0
         if self.size > _MAX_HEADER_BYTES:
-            raise _RefusedMember(self.name, f"has an extended header declaring {self.size} bytes, over "
-                                            f"{_MAX_HEADER_BYTES}; {RECREATE_SHARD}", "oversized_header")
+            raise _RefusedMember(
+                self.name,
+                f"has an extended header declaring {self.size} bytes, over {_MAX_HEADER_BYTES}; {RECREATE_SHARD}",
+                "oversized_header",
+            )
         depth = getattr(tarfile_, "_omnifeed_headers", 0)  # tarfile reads the member after it by recursing
         if depth >= _MAX_HEADER_CHAIN:
-            raise _RefusedMember(self.name, f"follows {depth} extended headers in a row (at most {_MAX_HEADER_CHAIN} "
-                                            f"before one member); {RECREATE_SHARD}", "oversized_header")
+            raise _RefusedMember(
+                self.name,
+                f"follows {depth} extended headers in a row (at most {_MAX_HEADER_CHAIN} "
+                f"before one member); {RECREATE_SHARD}",
+                "oversized_header",
+            )
         tarfile_._omnifeed_headers = depth + 1  # type: ignore[attr-defined]
         try:
             return super()._proc_member(tarfile_)  # type: ignore[misc]
@@ -107,8 +91,11 @@ class _CheckedTarInfo(tarfile.TarInfo):
     def _refuse_sparse(self, next_: tarfile.TarInfo, headers: Any, *_: object) -> None:
         # tarfile passes the pax records as a dict, or (format 0.0, since the 2025 pax fixes, e.g. Debian's 3.11.2)
         # as a list of raw (length, keyword, value) records
-        pax_headers = headers if isinstance(headers, dict) else {
-            keyword.decode("utf-8", "replace"): value.decode("utf-8", "replace") for _, keyword, value in headers}
+        pax_headers = (
+            headers
+            if isinstance(headers, dict)
+            else {keyword.decode("utf-8", "replace"): value.decode("utf-8", "replace") for _, keyword, value in headers}
+        )
         name = pax_headers.get("GNU.sparse.name") or pax_headers.get("path") or next_.name
         size = pax_headers.get("GNU.sparse.realsize") or pax_headers.get("GNU.sparse.size") or "?"
         raise _RefusedMember(name, f"is a GNU sparse file (declaring {size} bytes); {_NO_SPARSE}", "sparse")
@@ -117,8 +104,11 @@ class _CheckedTarInfo(tarfile.TarInfo):
 
 
 def _is_sparse(info: tarfile.TarInfo) -> bool:
-    return info.issparse() or info.type == tarfile.GNUTYPE_SPARSE or any(
-        name.startswith("GNU.sparse.") for name in info.pax_headers)
+    return (
+        info.issparse()
+        or info.type == tarfile.GNUTYPE_SPARSE
+        or any(name.startswith("GNU.sparse.") for name in info.pax_headers)
+    )
 
 
 class _Broken(Exception):
@@ -145,14 +135,23 @@ class _TarSamples:
             self._end_sample()
             self.key, self.items, self.problem = key, [], None
             if key in self.seen:
-                self.problem = (name, "not_adjacent", f"{self.url}: sample {key!r} appears again after other samples "
-                                f"(a sample's members must be adjacent): its later members are left out, the first "
-                                f"are indexed; {RECREATE_SHARD}")
+                self.problem = (
+                    name,
+                    "not_adjacent",
+                    f"{self.url}: sample {key!r} appears again after other samples "
+                    f"(a sample's members must be adjacent): its later members are left out, the first "
+                    f"are indexed; {RECREATE_SHARD}",
+                )
             self.seen.add(key)
         if self.problem is None:
             try:
-                add_field(self.url, key, self.items, FieldLocation(field, self.config.modality_of(field), name, offset,
-                                                                   size), data)
+                add_field(
+                    self.url,
+                    key,
+                    self.items,
+                    FieldLocation(field, self.config.modality_of(field), name, offset, size),
+                    data,
+                )
             except FieldTwice as exc:
                 self.problem = (name, "field_twice", str(exc))
 
@@ -179,8 +178,10 @@ class _TarSamples:
             raise SourceError(str(exc), url=self.url)
         before = len(self.scan.samples)
         being_read = f"sample {self.key!r} (perhaps incomplete) and " if self.items else ""
-        left_out = (f"the {before} sample{'s' if before != 1 else ''} before it are indexed, {being_read}the rest of "
-                    "the shard are left out")
+        left_out = (
+            f"the {before} sample{'s' if before != 1 else ''} before it are indexed, {being_read}the rest of "
+            "the shard are left out"
+        )
         self.damage.add(self.key if self.items else "", exc.member, exc.reason, str(exc), left_out)
 
 
@@ -202,8 +203,11 @@ def _scan_tar(shard: ShardSpec, config: IndexConfig, count: TokenCounter) -> Sha
             f.seek(end)
             block = f.read(tarfile.BLOCKSIZE)
             if len(block) < tarfile.BLOCKSIZE or block.count(0) != tarfile.BLOCKSIZE:
-                raise _Broken("", "truncated", f"{url}: truncated or corrupt tar (no header or end marker at byte {end}); "
-                                               f"{RECREATE_SHARD}")
+                raise _Broken(
+                    "",
+                    "truncated",
+                    f"{url}: truncated or corrupt tar (no header or end marker at byte {end}); {RECREATE_SHARD}",
+                )
         except _Broken as exc:
             samples.broken(exc)
         else:
@@ -222,17 +226,26 @@ def _read_members(f: Any, url: str, size: int, samples: _TarSamples) -> int:
             while (info := tar.next()) is not None:
                 tar.members = []  # type: ignore[attr-defined]  # streaming: keep no member list (as webdataset)
                 if info.isreg() and _is_sparse(info):  # this Python's tarfile parsed a sparse header we did not see
-                    raise _RefusedMember(info.name, f"is a GNU sparse file (declaring {info.size} bytes); {_NO_SPARSE}",
-                                         "sparse")
+                    raise _RefusedMember(
+                        info.name, f"is a GNU sparse file (declaring {info.size} bytes); {_NO_SPARSE}", "sparse"
+                    )
                 if info.isreg() and size and info.offset_data + info.size > size:
-                    raise _Broken(info.name, "truncated", f"{url}: member {info.name!r} declares {info.size} bytes "
-                                  f"at byte {info.offset_data}, past the end of the shard ({size} bytes); "
-                                  f"{RECREATE_SHARD}")
+                    raise _Broken(
+                        info.name,
+                        "truncated",
+                        f"{url}: member {info.name!r} declares {info.size} bytes "
+                        f"at byte {info.offset_data}, past the end of the shard ({size} bytes); "
+                        f"{RECREATE_SHARD}",
+                    )
                 if size and tar.offset > size:  # any type tarfile skips by its size (an unknown one, a pax size)
-                    raise _Broken(info.name, "truncated", f"{url}: member {info.name!r} (type "
-                                  f"{info.type.decode('latin-1')!r}) declares data up to byte {tar.offset}, past the "
-                                  f"end of the shard ({size} bytes); {RECREATE_SHARD}")
-                split = _split_name(url, info.name) if info.isreg() else None
+                    raise _Broken(
+                        info.name,
+                        "truncated",
+                        f"{url}: member {info.name!r} (type "
+                        f"{info.type.decode('latin-1')!r}) declares data up to byte {tar.offset}, past the "
+                        f"end of the shard ({size} bytes); {RECREATE_SHARD}",
+                    )
+                split = split_name(url, info.name) if info.isreg() else None
                 if split is None:
                     continue
                 extracted = tar.extractfile(info)
@@ -246,114 +259,12 @@ def _read_members(f: Any, url: str, size: int, samples: _TarSamples) -> int:
         raise _Broken("", "truncated", f"{url}: truncated or corrupt tar{where} ({exc}); {RECREATE_SHARD}") from None
 
 
-def _walk_local(url: str, root: str) -> list[tuple[str, str, str]]:
-    """(relative path, key, field) of a local folder's sample files, sorted by path; never opens a file.
-
-    Hidden entries are skipped, folders entered (never through a link); a link is refused when
-    it loops, leads to a folder, leaves the folder or leads nowhere (named as a field); FIFOs,
-    sockets and devices are skipped with a warning naming them.
-    """
-    real_root = os.path.realpath(root)
-    folders = [""]
-    found: list[tuple[str, str, str]] = []
-    while folders:
-        prefix = folders.pop()
-        with os.scandir(os.path.join(root, prefix) if prefix else root) as entries:
-            listed = sorted((entry.name, entry) for entry in entries)
-        for name, entry in listed:
-            relative = prefix + name
-            if name.startswith("."):
-                continue
-            mode = entry.stat(follow_symlinks=False).st_mode
-            if stat.S_ISDIR(mode):
-                folders.append(relative + "/")
-                continue
-            if stat.S_ISLNK(mode):
-                mode = _link_target_mode(url, real_root, entry.path, relative)
-            split = _split_name(url, relative)
-            if split is None:
-                continue
-            if mode == 0:
-                raise SourceError(f"{url}: {relative!r} is a symbolic link to {os.path.realpath(entry.path)}, which "
-                                  "does not exist; remove or fix the link", url=url)
-            if not stat.S_ISREG(mode):
-                logger.warning("%s: skipping %r: a %s, not a regular file (never opened)", url, relative, file_type(mode))
-                continue
-            found.append((relative, *split))
-    return sorted(found)
-
-
-def _link_target_mode(url: str, real_root: str, path: str, relative: str) -> int:
-    """The mode of what a folder's link points to (0: nothing); SourceError for a loop, a folder or a place outside."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise SourceError(f"{url}: {relative!r} is a symbolic link loop; remove or fix the link", url=url) from None
-        if isinstance(exc, FileNotFoundError):
-            return 0
-        raise
-    target = os.path.realpath(path)
-    where = "inside" if inside_root(real_root, target) else "outside"
-    if stat.S_ISDIR(mode):
-        raise SourceError(f"{url}: {relative!r} is a symbolic link to the folder {target} ({where} the folder); "
-                          "linked folders are not followed: replace the link by the folder, or give "
-                          f"{target} as a source of its own", url=url)
-    if where == "outside":
-        raise SourceError(f"{url}: {relative!r} is a symbolic link to {target}, outside the folder; copy the "
-                          "file into the folder or remove the link", url=url)
-    return mode
-
-
-def _scan_folder(shard: ShardSpec, config: IndexConfig, count: TokenCounter) -> ShardScan:
-    url = shard.url
-    fs, root = url_to_fs(url)
-    root = root.rstrip("/")
-    if not fs.isdir(root):
-        raise FileNotFoundError(f"no folder {root}")
-    groups: dict[str, list[tuple[str, str]]] = {}
-    local = on_local_disk(fs) and OPENAT  # a cache over local files (simplecache::) has links and FIFOs too
-    if local:  # link loops, linked folders, FIFOs and devices handled before any file is opened
-        for relative, key, name in _walk_local(url, root):
-            groups.setdefault(key, []).append((name, relative))
-    else:  # object stores and HTTP: no links, no special files
-        for path in sorted(fs.find(root)):
-            relative = path[len(root) + 1 :]
-            if not path.startswith(root + "/") or any(part.startswith(".") for part in relative.split("/")):
-                continue
-            split = _split_name(url, relative)
-            if split is not None:
-                groups.setdefault(split[0], []).append((split[1], relative))
-    if not groups:
-        raise SourceError(f"{url}: no samples (an empty folder, or only hidden files)", url=url)
-    scan = ShardScan(shard)
-    damage = Damage(url, config.strict)
-    for key in sorted(groups):
-        items: Items = []
-        try:
-            for name, relative in groups[key]:
-                data = _read_local(url, root, relative) if local else fs.cat_file(f"{root}/{relative}")
-                scan.size_bytes += len(data)
-                add_field(url, key, items, FieldLocation(name, config.modality_of(name), relative, 0, len(data)), data)
-            scan.samples.append(make_sample(url, key, items, count))
-        except FieldTwice as exc:
-            damage.add(key, relative, "field_twice", str(exc))
-        except FieldProbeError as exc:
-            damage.add(key, exc.member, exc.reason, str(exc))
-    return damage.finish(scan)
-
-
-def _read_local(url: str, root: str, relative: str) -> bytes:
-    """A local folder file's bytes, opened as ``read_field`` opens it (no link out, no FIFO)."""
-    descriptor = open_beneath(root, relative, f"{url}: {relative!r}", url)
-    try:
-        return read_whole(descriptor, os.fstat(descriptor).st_size)
-    finally:
-        os.close(descriptor)
-
-
 _SCANNERS: dict[str, Callable[[ShardSpec, IndexConfig, TokenCounter], ShardScan]] = {
-    "tar": _scan_tar, "parquet": scan_parquet, "arrow": scan_arrow, "folder": _scan_folder}
+    "tar": _scan_tar,
+    "parquet": scan_parquet,
+    "arrow": scan_arrow,
+    "folder": scan_folder,
+}
 
 
 def scan_shard(shard: ShardSpec, config: IndexConfig) -> ShardScan:

@@ -2,7 +2,9 @@
 
 A scan job never raises: a shard that cannot be scanned comes back with its error, and the
 build reports it and leaves it out; the samples left out as damaged come back with every shard. Storage errors that may pass (connection errors,
-time-outs) are retried with backoff first.
+time-outs) are retried with backoff first. A run stopped early (an error, Ctrl-C, SIGTERM) terminates the
+workers at once instead of letting them scan every remaining shard, and a worker whose driver was killed
+exits by itself.
 
 Workers are started with multiprocessing's ``forkserver``, which makes every worker import the
 caller's main script; a scan needs nothing from it, so the script is hidden while the workers
@@ -18,6 +20,7 @@ import logging
 import multiprocessing
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -40,9 +43,10 @@ log = logging.getLogger(__name__)
 
 _SCAN_ATTEMPTS, _SCAN_BACKOFF_S = 3, 0.5
 
-ScanResult = tuple[int, pa.Table, int, str | None, list[dict[str, str]]]
+ScanResult = tuple[int, pa.Table, int, str | None, list[dict[str, str]], list[str]]
 """One scanned shard: (shard id, its rows, its size in bytes, the error that left it out or None, its
-damaged samples as ``DamagedSample`` dicts: file, key, member, reason, error)."""
+damaged samples as ``DamagedSample`` dicts: file, key, member, reason, error; its class names, when
+its samples have ImageFolder labels, else [])."""
 Scanner = Callable[[list[ShardSpec], IndexConfig], Iterator[ScanResult]]
 """Scans every shard once, yielding results in any order (local processes, or Ray tasks)."""
 
@@ -59,21 +63,44 @@ def scan_all(shards: list[ShardSpec], config: IndexConfig) -> Iterator[ScanResul
     context = get_context("forkserver")
     context.set_forkserver_preload([__name__])
     workers: list[Any] = []
+    pool = ProcessPoolExecutor(
+        max_workers=min(config.workers, len(shards)), mp_context=context, initializer=_init_worker
+    )
+    finished = False
     try:
-        with ProcessPoolExecutor(max_workers=min(config.workers, len(shards)), mp_context=context) as pool:
-            with _main_script_not_reimported():
-                results = pool.map(scan_job, jobs)  # submits every job, so the workers exist now
-            workers = list((getattr(pool, "_processes", None) or {}).values())
-            yield from results
+        with _main_script_not_reimported():
+            results = pool.map(scan_job, jobs)  # submits every job, so the workers exist now
+        workers = list((getattr(pool, "_processes", None) or {}).values())
+        yield from results
+        finished = True
     except BrokenProcessPool as exc:
         if any(worker.exitcode == SCRIPT_REIMPORT_EXIT for worker in workers):
             raise OmnifeedError(
                 "build_index was called while a scan worker imported your script: put the call under "
-                "`if __name__ == '__main__':`") from None
+                "`if __name__ == '__main__':`"
+            ) from None
         raise OmnifeedError(
             "a scan worker process died (killed, out of memory, or crashed in a decoder); "
             "re-run with --workers 1 to see which shard, and check the machine's memory"
         ) from exc
+    finally:
+        if not finished:  # an error, Ctrl-C, SIGTERM or the consumer gone: stop the scans now, not after every shard
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _init_worker() -> None:
+    threading.Thread(target=_exit_with_driver, name="omnifeed-driver-watch", daemon=True).start()
+
+
+def _exit_with_driver() -> None:
+    """Exit this scan worker when the driver dies (killed alone): nobody would read its rows, and an idle worker
+    would wait for shards forever, holding the pool's semaphores."""
+    driver = multiprocessing.parent_process()  # the driver, even though a forkserver forked this process
+    if driver is not None:
+        driver.join()
+        os._exit(1)
 
 
 @contextlib.contextmanager
@@ -87,7 +114,9 @@ def _main_script_not_reimported() -> Iterator[None]:
     are hidden while the workers start.
     """
     main = sys.modules.get("__main__")
-    saved: dict[str, Any] = {name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__}
+    saved: dict[str, Any] = {
+        name: main.__dict__[name] for name in ("__file__", "__spec__") if main is not None and name in main.__dict__
+    }
     try:
         if main is not None:
             main.__dict__.pop("__file__", None)
@@ -122,17 +151,32 @@ def scan_job(job: tuple[int, ShardSpec, IndexConfig]) -> ScanResult:
     shard_id, shard, config = job
     try:
         scan = _scan_with_retries(shard, config)
-        return shard_id, _rows_of(shard_id, shard, scan.samples), scan.size_bytes, None, _dicts(scan.damaged)
+        return (
+            shard_id,
+            _rows_of(shard_id, shard, scan.samples),
+            scan.size_bytes,
+            None,
+            _dicts(scan.damaged),
+            scan.classes,
+        )
     except ShardDamaged as exc:
-        return shard_id, ROW_SCHEMA.empty_table(), 0, str(exc), _dicts(exc.damaged)
+        return shard_id, ROW_SCHEMA.empty_table(), 0, str(exc), _dicts(exc.damaged), []
     except OmnifeedError as exc:
-        return shard_id, ROW_SCHEMA.empty_table(), 0, str(exc), []
+        return shard_id, ROW_SCHEMA.empty_table(), 0, str(exc), [], []
     except (ConnectionError, TimeoutError) as exc:
-        return shard_id, ROW_SCHEMA.empty_table(), 0, (
-            f"{shard.url}: storage error after {_SCAN_ATTEMPTS} attempts ({type(exc).__name__}: {exc}); "
-            "check the storage and re-run `omnifeed index`"), []
+        return (
+            shard_id,
+            ROW_SCHEMA.empty_table(),
+            0,
+            (
+                f"{shard.url}: storage error after {_SCAN_ATTEMPTS} attempts ({type(exc).__name__}: {exc}); "
+                "check the storage and re-run `omnifeed index`"
+            ),
+            [],
+            [],
+        )
     except Exception as exc:  # a malformed file can make a third-party parser fail any way it likes
-        return shard_id, ROW_SCHEMA.empty_table(), 0, f"{shard.url}: unexpected {type(exc).__name__}: {exc}", []
+        return shard_id, ROW_SCHEMA.empty_table(), 0, f"{shard.url}: unexpected {type(exc).__name__}: {exc}", [], []
 
 
 def _dicts(damaged: list[DamagedSample]) -> list[dict[str, str]]:
@@ -160,8 +204,14 @@ def _rows_of(shard_id: int, shard: ShardSpec, samples: list[ScannedSample]) -> p
         fields = [asdict(f) for f in sample.fields]
         canonical = json.dumps([sample.key, shard.url, sample.row_group, sample.row, fields, lengths, sample.digest])
         values = {
-            "key": sample.key, "shard": shard_id, "shard_row": shard_row, "row_group": sample.row_group,
-            "row": sample.row, "fields": fields, **lengths, "row_digest": xxhash.xxh64_intdigest(canonical.encode()),
+            "key": sample.key,
+            "shard": shard_id,
+            "shard_row": shard_row,
+            "row_group": sample.row_group,
+            "row": sample.row,
+            "fields": fields,
+            **lengths,
+            "row_digest": xxhash.xxh64_intdigest(canonical.encode()),
         }
         for name, value in values.items():
             columns[name].append(value)

@@ -11,8 +11,9 @@ Four kinds of shard, all named by fsspec URL (or local path) (scanned by ``_scan
 - ``arrow``: the same for an Arrow IPC file (``.arrow``, stream or file format); a folder
   written by ``datasets``' ``save_to_disk`` (``state.json`` listing its ``data-*.arrow``
   files) is its Arrow files, in order (``_arrow_files``).
+- a folder whose top holds shard files (``.tar``, ``.parquet``/``.pq``, ``.arrow``) is those shards;
 - ``folder``: files grouped by key as in a tar, relative path up to the first dot of the
-  basename; hidden files and folders (name starting with '.') are skipped; a file whose real
+  basename (``_folder_scan``; class folders → labels, ``_class_folders``); hidden files and folders (name starting with '.') are skipped; a file whose real
   path leaves the folder (a symbolic link to outside it), a linked folder and a link loop are
   refused; FIFOs, sockets and devices are skipped, never opened (docs/security.md §4). Local
   folder files are opened by ``open_beneath``: one component at a time with ``O_NOFOLLOW``
@@ -42,9 +43,12 @@ from fsspec.implementations.local import LocalFileSystem
 
 from .._errors import SourceError, add_context
 from ._arrow_files import arrow_schema, read_arrow_cell, saved_dataset_files
-from ._columns import cell_bytes, cell_kind
+from ._class_folders import label_bytes
+from ._columns import cell_kind
+from ._config import IndexConfig
 from ._confined import FIX_LINK, OPENAT, escapes_root, link_outside, on_local_disk, open_beneath, read_whole
-from ._parquet_pages import check_decompressed, leaf_columns
+from ._media_root import read_media_file
+from ._parquet_cells import read_parquet_cell
 from ._records import FieldLocation, ShardSpec, SourceKind
 
 logger = logging.getLogger(__name__)
@@ -71,9 +75,53 @@ def _kind_by_name(path: str, spec: str) -> SourceKind | None:
 
 
 def _folder_shards(fs: Any, path: str, spec: str) -> dict[str, SourceKind]:
-    """A folder as shards: the Arrow files of a dataset saved by ``datasets``, else the folder itself."""
+    """A folder as shards: the Arrow files of a dataset saved by ``datasets``; else the shard files at its top
+    (``.tar``, ``.parquet``/``.pq``, ``.arrow``) when it holds no sample files beside them; else the folder itself."""
     saved = saved_dataset_files(fs, path, spec)
-    return {file: "arrow" for file in saved} if saved else {path: "folder"}
+    if saved:
+        return {file: "arrow" for file in saved}
+    return _top_shards(fs, path, spec) or {path: "folder"}
+
+
+_SHARD_NAMES = (".tar", ".parquet", ".pq", ".arrow", *_COMPRESSED_TAR)
+
+
+def _top_shards(fs: Any, path: str, spec: str) -> dict[str, SourceKind]:
+    """The shard files at the top of a folder, sorted; {} when it has none. SourceError when sample files (by the
+    default extensions: images, video, audio, text) lie beside them, or a shard is a compressed tar."""
+    try:
+        entries = sorted(fs.ls(path, detail=True), key=lambda entry: entry["name"])
+    except (OSError, ValueError):
+        return {}
+    shards, samples, others = [], [], []
+    defaults = IndexConfig()
+    for entry in entries:
+        name = posixpath.basename(entry["name"].rstrip("/"))
+        if name.startswith("."):
+            continue
+        if entry.get("type") != "file":
+            others.append(name + "/")
+        elif name.lower().endswith(_SHARD_NAMES):
+            shards.append(entry["name"])
+        elif "." in name and defaults.modality_of(name.rsplit(".", 1)[-1]) != "meta":
+            samples.append(name)
+        else:
+            others.append(name)
+    if not shards:
+        return {}
+    if samples:
+        raise SourceError(
+            f"{spec}: the folder {path} holds both shard files ({posixpath.basename(shards[0])}, ...) "
+            f"and sample files ({samples[0]}, ...); give the shards as sources (e.g. "
+            f"'{path.rstrip('/')}/*{posixpath.splitext(shards[0])[1]}') or move them out",
+            url=spec,
+        )
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        logger.warning(
+            "%s: indexing the %d shard files of %s; skipping what is not a shard: %s", spec, len(shards), path, shown
+        )
+    return {shard: kind for shard in shards if (kind := _kind_by_name(shard, spec)) is not None}
 
 
 def _missing(fs: Any, paths: list[str]) -> set[str]:
@@ -94,22 +142,29 @@ def _missing_error(spec: str, urls: list[str], missing: list[str]) -> SourceErro
         return SourceError(f"{spec}: {missing[0]} does not exist", url=spec)
     total, absent = len(urls), len(missing)
     if absent == total:
-        return SourceError(f"{spec}: none of the {total} paths it names exists (the first is {missing[0]}); "
-                           "check the folder and the range", url=spec)
+        return SourceError(
+            f"{spec}: none of the {total} paths it names exists (the first is {missing[0]}); "
+            "check the folder and the range",
+            url=spec,
+        )
     folders = {posixpath.dirname(m) for m in missing}
     names = [posixpath.basename(m) for m in missing] if len(folders) == 1 else list(missing)
     shown = ", ".join(names[:5]) + (f" and {absent - 5} more" if absent > 5 else "")
     verb = "does" if absent == 1 else "do"
-    return SourceError(f"{spec}: {absent} of the {total} paths it names {verb} not exist ({shown}); "
-                       f"{total - absent} exist: create the missing ones or narrow the range", url=spec)
+    return SourceError(
+        f"{spec}: {absent} of the {total} paths it names {verb} not exist ({shown}); "
+        f"{total - absent} exist: create the missing ones or narrow the range",
+        url=spec,
+    )
 
 
 def _glob(spec: str, url: str, fs: Any, pattern: str) -> dict[str, SourceKind]:
     """Sorted matches of a glob that are shards; other files are skipped with a warning."""
     matches = fs.glob(pattern, detail=True)
     if not matches:
-        raise SourceError(f"{spec}: no file or folder matches the pattern {url}; check the folder and the pattern",
-                          url=spec)
+        raise SourceError(
+            f"{spec}: no file or folder matches the pattern {url}; check the folder and the pattern", url=spec
+        )
     found: dict[str, SourceKind] = {}
     for match, info in sorted(matches.items()):
         kind = _kind_by_name(match, spec) or ("folder" if info.get("type") == "directory" else None)
@@ -137,8 +192,11 @@ def _resolve(spec: str, urls: list[str]) -> list[ShardSpec]:
         if not is_glob and _kind_by_name(path, spec) is not None:
             by_fs.setdefault(id(fs), (fs, []))[1].append(path)
     missing = {(id(fs), p) for fs, paths in by_fs.values() for p in _missing(fs, paths)}
-    absent = [url for url, _, _, fs, path, is_glob in parsed if not is_glob and (
-        (id(fs), path) in missing if _kind_by_name(path, spec) is not None else not fs.exists(path))]
+    absent = [
+        url
+        for url, _, _, fs, path, is_glob in parsed
+        if not is_glob and ((id(fs), path) in missing if _kind_by_name(path, spec) is not None else not fs.exists(path))
+    ]
     if absent:  # all of them at once: a range with holes says which and how many exist
         raise _missing_error(spec, [url for url, *_, is_glob in parsed if not is_glob], absent)
     shards: list[ShardSpec] = []
@@ -148,7 +206,9 @@ def _resolve(spec: str, urls: list[str]) -> list[ShardSpec]:
         else:
             kind = _kind_by_name(path, spec) or ("folder" if fs.isdir(path) else None)
             if kind is None:
-                raise SourceError(f"{spec}: {url} is neither a .tar, .parquet/.pq or .arrow file nor a folder", url=spec)
+                raise SourceError(
+                    f"{spec}: {url} is neither a .tar, .parquet/.pq or .arrow file nor a folder", url=spec
+                )
             found = _folder_shards(fs, path, spec) if kind == "folder" else {path: kind}
         shards.extend(ShardSpec(prefix + (fs.unstrip_protocol(p) if explicit else p), k) for p, k in found.items())
     return shards
@@ -198,24 +258,13 @@ def as_source_error(exc: Exception, kind: str, where: str, url: str, fix: str) -
 def _read_parquet_cell(url: str, field: FieldLocation, row_group: int, row: int) -> bytes | None:
     if row_group < 0 or row < 0:
         raise ValueError(f"{url}: reading Parquet field {field.name!r} needs row_group= and row=")
-    fs, path = url_to_fs(url)
-    with fs.open(path, "rb") as f:
-        table_file = pq.ParquetFile(f)
-        if 0 <= row_group < table_file.num_row_groups:  # else Arrow refuses it, reading nothing
-            check_decompressed(f, table_file, url, row_group, leaf_columns(table_file, [field.member]))
-        table = table_file.read_row_group(row_group, columns=[field.member])
-    if table.num_columns != 1 or row >= table.num_rows:
-        return None
-    try:
-        return cell_bytes(table.column(0).slice(row, 1))[0]
-    except SourceError as exc:
-        raise SourceError(f"{url}: column {field.member!r} row group {row_group} row {row}: {exc}", url=url) from None
+    return read_parquet_cell(url, field.member, row_group, row)  # its page, through this process's kept files
 
 
 def _local_path(url: str) -> str | None:
     """The file system path of a local URL (a plain path or ``file://``), else None."""
     if url.startswith("file://"):
-        return url[len("file://"):]
+        return url[len("file://") :]
     return url if "://" not in url and "::" not in url else None
 
 
@@ -232,8 +281,9 @@ def column_kinds(url: str, kind: SourceKind) -> dict[str, str]:
 
 def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, row: int = -1) -> bytes:
     """Read one field's bytes by its index location: a ranged read of a tar member, one folder
-    file, one Parquet cell (only that row group's column chunk is read), or one Arrow cell (the
-    schema and the one record batch holding it).
+    file, one Parquet cell (its own bytes read from its page, or the page decoded once per process
+    while it stays in the page LRU: ``_parquet_cells``), or one Arrow cell (from the record batch
+    holding it, in the file kept memory-mapped: ``_arrow_files``).
 
     Raises SourceError naming the URL and member when the data is gone, short or changed;
     connection errors and timeouts propagate (with a note) for the caller to retry.
@@ -255,6 +305,8 @@ def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, r
             else:
                 fs, path = url_to_fs(url)
                 data = fs.cat_file(path, start=field.offset, end=field.offset + field.size)
+        elif shard.kind == "folder" and (label := label_bytes(field)) is not None:
+            data = label  # an ImageFolder class label: its number is in the location (_class_folders)
         elif shard.kind == "folder":
             if escapes_root(member):
                 raise SourceError(f"{where}: the member path escapes the folder; re-run `omnifeed index`", url=url)
@@ -267,8 +319,9 @@ def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, r
                 try:
                     size = os.fstat(descriptor).st_size
                     if size != field.size:  # checked before reading: a file that grew is not read whole
-                        raise SourceError(f"{where}: changed: expected {field.size} bytes, the file has {size}; "
-                                          f"{reindex}", url=url)
+                        raise SourceError(
+                            f"{where}: changed: expected {field.size} bytes, the file has {size}; {reindex}", url=url
+                        )
                     data = read_whole(descriptor, size)
                 finally:
                     os.close(descriptor)
@@ -276,12 +329,16 @@ def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, r
                 fs, root = url_to_fs(url)
                 target = link_outside(fs, root, member)
                 if target is not None:
-                    raise SourceError(f"{where}: a symbolic link to {target}, outside the folder; {FIX_LINK}",
-                                      url=url)
+                    raise SourceError(f"{where}: a symbolic link to {target}, outside the folder; {FIX_LINK}", url=url)
                 data = fs.cat_file(f"{root.rstrip('/')}/{member}")
+        elif shard.kind in ("parquet", "arrow") and (media := read_media_file(field, url, where)) is not None:
+            data = media  # a path-only cell's file, beneath the media root it was indexed with (_media_root)
         elif shard.kind in ("parquet", "arrow"):
-            cell = _read_parquet_cell(url, field, row_group, row) if shard.kind == "parquet" else read_arrow_cell(
-                url, field, row)
+            cell = (
+                _read_parquet_cell(url, field, row_group, row)
+                if shard.kind == "parquet"
+                else read_arrow_cell(url, field, row)
+            )
             if cell is None:
                 raise SourceError(f"{where}: no value at row group {row_group} row {row}; {reindex}", url=url)
             data = cell
@@ -293,6 +350,9 @@ def read_field(shard: ShardSpec, field: FieldLocation, *, row_group: int = -1, r
             raise
         raise error from exc
     if len(data) != field.size:
-        raise SourceError(f"{where}: truncated or changed: expected {field.size} bytes at offset {field.offset}, "
-                          f"got {len(data)}; {reindex}", url=url)
+        raise SourceError(
+            f"{where}: truncated or changed: expected {field.size} bytes at offset {field.offset}, "
+            f"got {len(data)}; {reindex}",
+            url=url,
+        )
     return data

@@ -41,9 +41,16 @@ def delivery_records(step: Step, index: SampleIndex, ranks: Iterable[int] | None
 def delivery_record(step: Step, rank: int, accum: int, mb: MicroBatch, keys: list[str]) -> dict[str, Any]:
     """The record of one delivered micro-batch (``keys``: its planned sample keys, in order)."""
     record: dict[str, Any] = {
-        "epoch": mb.epoch, "step": step.step, "rank": rank, "accum": accum, "micro_batch": mb.index,
-        "window": mb.window, "world_size": step.world_size, "topology_version": step.topology_version,
-        "cost": mb.cost, "keys": keys,
+        "epoch": mb.epoch,
+        "step": step.step,
+        "rank": rank,
+        "accum": accum,
+        "micro_batch": mb.index,
+        "window": mb.window,
+        "world_size": step.world_size,
+        "topology_version": step.topology_version,
+        "cost": mb.cost,
+        "keys": keys,
     }
     if mb.pack is not None:
         record["segments"] = [[s.start, s.stop] for s in mb.pack.segments]
@@ -64,21 +71,31 @@ def open_audit_log(path: str | Path) -> IO[str]:
     try:
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
-        why = ("it is a symbolic link" if exc.errno == errno.ELOOP or os.path.islink(path) else
-               "it is a FIFO" if exc.errno == errno.ENXIO else exc.strerror)
-        raise OmnifeedError(f"cannot open the audit log {path} ({why}); remove it or choose another audit_log "
-                            "path") from None
+        why = (
+            "it is a symbolic link"
+            if exc.errno == errno.ELOOP or os.path.islink(path)
+            else "it is a FIFO"
+            if exc.errno == errno.ENXIO
+            else exc.strerror
+        )
+        raise OmnifeedError(
+            f"cannot open the audit log {path} ({why}); remove it or choose another audit_log path"
+        ) from None
     info = os.fstat(fd)
     mode = stat.S_IMODE(info.st_mode)
     if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or mode & 0o022 or info.st_nlink != 1:
         os.close(fd)
-        what = ("is not a regular file" if not stat.S_ISREG(info.st_mode) else
-                f"belongs to uid {info.st_uid} with mode {mode:o}: another user could read or forge its records"
-                if info.st_uid != os.getuid() or mode & 0o022 else
-                f"has {info.st_nlink} hard links: a link planted there would have omnifeed append to another of "
-                "your files")
-        raise OmnifeedError(f"audit log {path} {what}; remove it, or choose an audit_log path of your own "
-                            "(it is created 0600)")
+        what = (
+            "is not a regular file"
+            if not stat.S_ISREG(info.st_mode)
+            else f"belongs to uid {info.st_uid} with mode {mode:o}: another user could read or forge its records"
+            if info.st_uid != os.getuid() or mode & 0o022
+            else f"has {info.st_nlink} hard links: a link planted there would have omnifeed append to another of "
+            "your files"
+        )
+        raise OmnifeedError(
+            f"audit log {path} {what}; remove it, or choose an audit_log path of your own (it is created 0600)"
+        )
     fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     return os.fdopen(fd, "a", encoding="utf-8")
 
@@ -94,9 +111,11 @@ def read_delivery_logs(paths: Iterable[str | Path], stdin: IO[str] | None = None
         info = os.fstat(handle.fileno()) if handle is not stdin else None
         if info is not None and stat.S_ISREG(info.st_mode) and (info.st_uid != os.getuid() or info.st_mode & 0o002):
             handle.close()
-            raise OmnifeedError(f"{path} belongs to uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}: another "
-                                "user could have written its records; verify logs your job wrote (omnifeed writes "
-                                "them 0600), or copy one you trust into a folder of yours")
+            raise OmnifeedError(
+                f"{path} belongs to uid {info.st_uid} with mode {stat.S_IMODE(info.st_mode):o}: another "
+                "user could have written its records; verify logs your job wrote (omnifeed writes "
+                "them 0600), or copy one you trust into a folder of yours"
+            )
         try:
             for number, line in enumerate(handle, 1):
                 if not line.strip():
@@ -107,7 +126,9 @@ def read_delivery_logs(paths: Iterable[str | Path], stdin: IO[str] | None = None
                         raise ValueError("expected an object with a 'keys' list")
                     int(record["epoch"])
                 except (ValueError, KeyError, TypeError) as exc:
-                    raise OmnifeedError(f"{path}:{number}: not a delivery record ({exc}); pass logs written by omnifeed") from exc
+                    raise OmnifeedError(
+                        f"{path}:{number}: not a delivery record ({exc}); pass logs written by omnifeed"
+                    ) from exc
                 yield record
         finally:
             if handle is not stdin:
@@ -135,8 +156,13 @@ class CoverageReport:
     @property
     def ok(self) -> bool:
         """True when every sample of the epoch was delivered exactly once and nothing else was."""
-        return (self.duplicates == 0 and self.missing == 0 and self.unknown == 0 and self.partial == 0
-                and self.delivered == self.samples)
+        return (
+            self.duplicates == 0
+            and self.missing == 0
+            and self.unknown == 0
+            and self.partial == 0
+            and self.delivered == self.samples
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The report as a JSON-ready dict, with ``ok``."""
@@ -189,11 +215,17 @@ def verify_coverage(index: SampleIndex, epoch: int, records: Iterable[dict[str, 
     repeated, absent = np.flatnonzero(counts > 1), np.flatnonzero(counts == 0)
     unknown_keys = [k for k, ok in zip(keys, known.tolist()) if not ok]
     return CoverageReport(
-        epoch=epoch, samples=index.num_samples, delivered=len(keys), unique=int((counts > 0).sum()),
-        duplicates=int((counts[repeated] - 1).sum()), missing=int(absent.size), unknown=len(unknown_keys),
+        epoch=epoch,
+        samples=index.num_samples,
+        delivered=len(keys),
+        unique=int((counts > 0).sum()),
+        duplicates=int((counts[repeated] - 1).sum()),
+        missing=int(absent.size),
+        unknown=len(unknown_keys),
         partial=partial,
         examples={
-            "duplicated": index.keys(repeated[:_EXAMPLES]), "missing": index.keys(absent[:_EXAMPLES]),
+            "duplicated": index.keys(repeated[:_EXAMPLES]),
+            "missing": index.keys(absent[:_EXAMPLES]),
             "unknown": unknown_keys[:_EXAMPLES],
         },
     )

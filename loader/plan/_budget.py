@@ -93,6 +93,10 @@ def suggest_budget(plan: Plan, target: float) -> dict[str, Any]:
     budget = float(math.ceil(high))
     per_batch = planned(budget)
     over = int(np.count_nonzero(values > budget))
-    return {"suggested_budget": budget, "target_samples_per_micro_batch": target,
-            "samples_per_micro_batch": round(per_batch, 3), "samples_over_budget": over,
-            "budget_holding_100": float(np.ceil(values.max())) if values.size else 0.0}
+    return {
+        "suggested_budget": budget,
+        "target_samples_per_micro_batch": target,
+        "samples_per_micro_batch": round(per_batch, 3),
+        "samples_over_budget": over,
+        "budget_holding_100": float(np.ceil(values.max())) if values.size else 0.0,
+    }

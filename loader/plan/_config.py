@@ -26,7 +26,8 @@ class PlanConfig(StrictModel):
     )
     shards_per_window: int = Field(default=4, ge=1, description="Shards per shuffle window in 'shard_block' mode.")
     window_size: int | None = Field(
-        default=None, ge=1,
+        default=None,
+        ge=1,
         description="Samples per window of the shuffled stream (not in 'shard_block' mode, where a window is "
         "shards_per_window shards): micro-batches are formed window by window, and resuming computes one window. "
         "Default: 64 micro-batches for fixed-size batches, 65536 samples with bucketing (it needs hundreds of "
@@ -51,7 +52,8 @@ class PlanConfig(StrictModel):
         """Stable hash of every setting that changes the micro-batch sequence."""
         values = self.model_dump()
         if self.bucketing is not None:  # the memory-feedback bounds steer budgets; the cursor records each
-            values["bucketing"] = {k: v for k, v in values["bucketing"].items()
-                                   if k not in ("min_budget", "max_budget", "target_headroom")}
+            values["bucketing"] = {
+                k: v for k, v in values["bucketing"].items() if k not in ("min_budget", "max_budget", "target_headroom")
+            }
         payload = json.dumps(values, sort_keys=True)
         return xxhash.xxh3_64_hexdigest(payload.encode())

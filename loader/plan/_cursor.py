@@ -29,10 +29,35 @@ from ._plan import MicroBatch, Plan, WindowPlan
 
 STATE_FORMAT = "omnifeed.plan-state/1"
 _STATE_KEYS = frozenset(
-    {"format", "index_fingerprint", "config_fingerprint", "topology_version", "world_size", "grad_accum",
-     "step", "epoch", "window", "window_start", "carried", "offset", "micro_batch", "budget", "next_budget"}
+    {
+        "format",
+        "index_fingerprint",
+        "config_fingerprint",
+        "topology_version",
+        "world_size",
+        "grad_accum",
+        "step",
+        "epoch",
+        "window",
+        "window_start",
+        "carried",
+        "offset",
+        "micro_batch",
+        "budget",
+        "next_budget",
+    }
 )
-_COUNTERS = ("topology_version", "step", "epoch", "window", "window_start", "offset", "micro_batch", "world_size", "grad_accum")
+_COUNTERS = (
+    "topology_version",
+    "step",
+    "epoch",
+    "window",
+    "window_start",
+    "offset",
+    "micro_batch",
+    "world_size",
+    "grad_accum",
+)
 
 
 class DealingStopped(Exception):
@@ -89,13 +114,31 @@ class PlanCursor:
         when it returns True, dealing is abandoned with `DealingStopped` and the cursor is left
         where it was before the step.
         """
-        saved = (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
-                 self.next_budget, self._current, self.carried)
+        saved = (
+            self.epoch,
+            self.window,
+            self.window_start,
+            self.offset,
+            self.micro_batch,
+            self.budget,
+            self.next_budget,
+            self._current,
+            self.carried,
+        )
         dealt: list[MicroBatch] = []
         for _ in range(self.world_size * self.grad_accum):
             if stop is not None and stop():
-                (self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.budget,
-                 self.next_budget, self._current, self.carried) = saved
+                (
+                    self.epoch,
+                    self.window,
+                    self.window_start,
+                    self.offset,
+                    self.micro_batch,
+                    self.budget,
+                    self.next_budget,
+                    self._current,
+                    self.carried,
+                ) = saved
                 raise DealingStopped(f"dealing step {self.step} was stopped")
             dealt.append(self._next_micro_batch())
         step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, tuple(dealt))
@@ -105,7 +148,11 @@ class PlanCursor:
     def _window_plan(self) -> WindowPlan:
         if self._current is None:
             self._current = self.plan.window(
-                self.epoch, self.window, self.window_start, budget=self.budget, first_index=self.micro_batch - self.offset,
+                self.epoch,
+                self.window,
+                self.window_start,
+                budget=self.budget,
+                first_index=self.micro_batch - self.offset,
                 carried=self.carried,
             )
         return self._current
@@ -227,7 +274,9 @@ def _carried(value: Any, plan: Plan) -> np.ndarray:
     if len(value) > plan.carry_limit:
         raise ValueError(f"plan state carries {len(value)} samples; this plan carries at most {plan.carry_limit}")
     if len(set(value)) != len(value) or any(not 0 <= p < plan.num_samples for p in value):
-        raise ValueError("plan state carried holds repeated positions or positions outside this index; was it edited by hand?")
+        raise ValueError(
+            "plan state carried holds repeated positions or positions outside this index; was it edited by hand?"
+        )
     return np.asarray(value, dtype=np.int64)
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -51,8 +50,9 @@ from omnifeed.bucketing import (
     stream_lengths,
 )
 
-from ._config import PlanConfig
 from .._errors import OmnifeedError
+from ._config import PlanConfig
+from ._micro_batch import MicroBatch, WindowPlan
 from ._permutation import KeyedPermutation
 
 if TYPE_CHECKING:
@@ -72,36 +72,6 @@ _NOTHING.flags.writeable = False
 
 LengthSource = Callable[[np.ndarray], Mapping[str, np.ndarray]]
 """Positions -> the index's length columns (``text_tokens``, ``image_width``, ...) at those positions."""
-
-
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch: its epoch, its place in that epoch, its window, its sample positions.
-
-    ``cost`` is its padded cost under the cost model (its size for fixed batching, its
-    tokens for a pack); ``pack`` holds segment boundaries in packing mode.
-    """
-
-    epoch: int
-    index: int
-    window: int
-    positions: np.ndarray
-    cost: float
-    pack: Pack | None = None
-
-
-@dataclass(frozen=True)
-class WindowPlan:
-    """The micro-batches of one window, where the next window starts in the stream and what it carries there."""
-
-    epoch: int
-    window: int
-    start: int
-    budget: float | None
-    micro_batches: tuple[MicroBatch, ...]
-    next_start: int
-    last: bool  # whether this window ends its epoch
-    carry: np.ndarray = field(default_factory=lambda: _NOTHING)  # positions carried into the next window (never out of the last)
 
 
 class Plan:
@@ -166,15 +136,26 @@ class Plan:
     def from_index(cls, index: SampleIndex, config: PlanConfig) -> Plan:
         """The plan of ``config`` over an opened index."""
         return cls(
-            index.num_samples, config, index_fingerprint=index.fingerprint,
-            shard_sizes=index.shard_sizes, by_shard=index.by_shard, lengths=index.length_columns,
+            index.num_samples,
+            config,
+            index_fingerprint=index.fingerprint,
+            shard_sizes=index.shard_sizes,
+            by_shard=index.by_shard,
+            lengths=index.length_columns,
             describe=lambda position: f"{index.keys([position])[0]!r} (position {position})",
         )
 
     def with_config(self, config: PlanConfig) -> Plan:
         """The plan of another config over the same index (its lengths, shards and sample names)."""
-        return Plan(self.num_samples, config, index_fingerprint=self.index_fingerprint, shard_sizes=self._shard_sizes,
-                    by_shard=self._by_shard, lengths=self._lengths, describe=self._describe)
+        return Plan(
+            self.num_samples,
+            config,
+            index_fingerprint=self.index_fingerprint,
+            shard_sizes=self._shard_sizes,
+            by_shard=self._by_shard,
+            lengths=self._lengths,
+            describe=self._describe,
+        )
 
     @property
     def budget(self) -> float | None:
@@ -186,7 +167,9 @@ class Plan:
         (default: the bucketing cost model, else the default one)."""
         if self._lengths is None:
             raise ValueError("this plan has no length source")
-        return stream_lengths(self._lengths(positions), cost or (self.bucketing.cost if self.bucketing else CostModel()))
+        return stream_lengths(
+            self._lengths(positions), cost or (self.bucketing.cost if self.bucketing else CostModel())
+        )
 
     def _probe_lengths(self) -> dict[str, np.ndarray]:
         """Stream lengths of an even sample of the index (what bucket edges are estimated from)."""
@@ -206,9 +189,16 @@ class Plan:
         """Buckets per modality mix, secondary streams' cells sized for this plan's windows."""
         bucketing = self.bucketing
         assert bucketing is not None
-        window = self.num_samples / self.windows_per_epoch(0) if self.config.shuffle == "shard_block" else self.window_size
-        return estimate_mix_layout(self._probe_lengths(), bucketing.cost, bucketing.budget,
-                                   max(1, int(min(window, self.num_samples))), bucketing.num_buckets)
+        window = (
+            self.num_samples / self.windows_per_epoch(0) if self.config.shuffle == "shard_block" else self.window_size
+        )
+        return estimate_mix_layout(
+            self._probe_lengths(),
+            bucketing.cost,
+            bucketing.budget,
+            max(1, int(min(window, self.num_samples))),
+            bucketing.num_buckets,
+        )
 
     def _resolve_edges(self) -> dict[str, np.ndarray]:
         """Bucket edges on a grid of streams: given in the config, or estimated from an even sample of the index."""
@@ -220,10 +210,13 @@ class Plan:
         # Every weighted stream by default: a cell is then (length bucket or "absent") per stream, so
         # samples of different modality mixes never share a micro-batch (no rows of pure padding)
         # and a sample with two streams (image + text) gets a two-dimensional bucket.
-        streams = bucketing.bucket_streams or choose_bucket_streams(lengths, bucketing.cost.weights, max_streams=len(lengths))
+        streams = bucketing.bucket_streams or choose_bucket_streams(
+            lengths, bucketing.cost.weights, max_streams=len(lengths)
+        )
         return {
-            s: estimate_boundaries(lengths[s], bucketing.num_buckets, bucketing.method,
-                                   costs=sample_costs({s: lengths[s]}, bucketing.cost))
+            s: estimate_boundaries(
+                lengths[s], bucketing.num_buckets, bucketing.method, costs=sample_costs({s: lengths[s]}, bucketing.cost)
+            )
             for s in streams
         }
 
@@ -246,12 +239,22 @@ class Plan:
         bucketing = self.bucketing
         return bucketing.carry if bucketing is not None and bucketing.mode == "budget" else 0
 
-    def window(self, epoch: int, window: int, start: int, *, budget: float | None = None, first_index: int = 0,
-               carried: np.ndarray = _NOTHING) -> WindowPlan:
+    def window(
+        self,
+        epoch: int,
+        window: int,
+        start: int,
+        *,
+        budget: float | None = None,
+        first_index: int = 0,
+        carried: np.ndarray = _NOTHING,
+    ) -> WindowPlan:
         """The micro-batches of ``window`` of ``epoch`` starting at stream offset ``start``, with the ids
         ``carried`` in from the window before (its ``WindowPlan.carry``) placed first."""
         if len(carried) > self.carry_limit:
-            raise ValueError(f"{len(carried)} samples carried into a window; this plan carries at most {self.carry_limit}")
+            raise ValueError(
+                f"{len(carried)} samples carried into a window; this plan carries at most {self.carry_limit}"
+            )
         own_end = max(start, self._nominal_end(epoch, window))
         own = self.stream(epoch, start, own_end)
         if len(carried):
@@ -261,8 +264,17 @@ class Plan:
         packs: list[Pack | None]
         if self.bucketing is None:
             assembled = assemble_fixed(own, self.config.batch_size, look)
-            batches, costs, consumed, packs = assembled.batches, assembled.costs, assembled.consumed, [None] * len(assembled.batches)
-            if self.dropped_per_epoch and own_end + consumed >= self.num_samples and len(batches[-1]) < self.config.batch_size:
+            batches, costs, consumed, packs = (
+                assembled.batches,
+                assembled.costs,
+                assembled.consumed,
+                [None] * len(assembled.batches),
+            )
+            if (
+                self.dropped_per_epoch
+                and own_end + consumed >= self.num_samples
+                and len(batches[-1]) < self.config.batch_size
+            ):
                 batches, costs, packs = batches[:-1], costs[:-1], packs[:-1]
         elif self.bucketing.mode == "packing":
             batches, costs, consumed, packs = self._packs(own, look, budget)
@@ -282,9 +294,12 @@ class Plan:
             order = self._deal_order(epoch, window, costs, budget, next_start >= self.num_samples)
             batches, costs, packs = [batches[i] for i in order], [costs[i] for i in order], [packs[i] for i in order]
         micro_batches = tuple(
-            MicroBatch(epoch, first_index + i, window, b, c, p) for i, (b, c, p) in enumerate(zip(batches, costs, packs))
+            MicroBatch(epoch, first_index + i, window, b, c, p)
+            for i, (b, c, p) in enumerate(zip(batches, costs, packs))
         )
-        return WindowPlan(epoch, window, start, budget, micro_batches, next_start, next_start >= self.num_samples, carry)
+        return WindowPlan(
+            epoch, window, start, budget, micro_batches, next_start, next_start >= self.num_samples, carry
+        )
 
     def _deal_order(self, epoch: int, window: int, costs: list[float], budget: float | None, last: bool) -> np.ndarray:
         """The window's micro-batches shuffled (lengths interleave), in cost tiers when ``tier_width`` is set."""
@@ -302,15 +317,23 @@ class Plan:
     def _lookahead(self) -> int:
         return self.bucketing.lookahead if self.bucketing else self.config.batch_size
 
-    def _budget(self, own: np.ndarray, look: np.ndarray, budget: float | None) -> tuple[list[np.ndarray], list[float], int]:
+    def _budget(
+        self, own: np.ndarray, look: np.ndarray, budget: float | None
+    ) -> tuple[list[np.ndarray], list[float], int]:
         bucketing = self.bucketing
         assert bucketing is not None and budget is not None
         lengths, look_lengths = self.stream_lengths(own), self.stream_lengths(look)
         try:
             assembled = assemble_budget(
-                own, lengths, self._buckets(lengths), budget, bucketing.cost,
-                max_batch_size=bucketing.max_batch_size, overlong=bucketing.overlong,  # type: ignore[arg-type]
-                lookahead_positions=look, lookahead_lengths=look_lengths,
+                own,
+                lengths,
+                self._buckets(lengths),
+                budget,
+                bucketing.cost,
+                max_batch_size=bucketing.max_batch_size,
+                overlong=bucketing.overlong,  # type: ignore[arg-type]
+                lookahead_positions=look,
+                lookahead_lengths=look_lengths,
             )
         except OverBudgetError as exc:
             raise OmnifeedError(
@@ -327,18 +350,26 @@ class Plan:
         if self.layout is not None:
             return mix_buckets(lengths, self.layout)
         cells = assign_buckets(lengths, self.edges)
-        present = np.stack([lengths[s] > 0 for s in self.edges], axis=1) if self.edges else np.zeros((len(cells), 0), bool)
+        present = (
+            np.stack([lengths[s] > 0 for s in self.edges], axis=1) if self.edges else np.zeros((len(cells), 0), bool)
+        )
         mask = (present.astype(np.int64) << np.arange(present.shape[1], dtype=np.int64)).sum(axis=1)
         return np.where(present.sum(axis=1) == 1, -1 - mask, cells)
 
-    def _packs(self, own: np.ndarray, look: np.ndarray, budget: float | None) -> tuple[list[np.ndarray], list[float], int, list[Pack | None]]:
+    def _packs(
+        self, own: np.ndarray, look: np.ndarray, budget: float | None
+    ) -> tuple[list[np.ndarray], list[float], int, list[Pack | None]]:
         bucketing = self.bucketing
         assert bucketing is not None and budget is not None
         stream = bucketing.pack_stream
         try:
             packs, consumed = pack_window(
-                own, self.stream_lengths(own)[stream], int(budget), overlong=bucketing.overlong,  # type: ignore[arg-type]
-                lookahead_positions=look, lookahead_lengths=self.stream_lengths(look)[stream],
+                own,
+                self.stream_lengths(own)[stream],
+                int(budget),
+                overlong=bucketing.overlong,  # type: ignore[arg-type]
+                lookahead_positions=look,
+                lookahead_lengths=self.stream_lengths(look)[stream],
             )
         except OverlongSampleError as exc:
             raise OmnifeedError(

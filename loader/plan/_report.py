@@ -74,7 +74,9 @@ class PlanReport:
             "samples": self.samples,
             "mean_cost": float(np.mean(costs)) if costs else 0.0,
             "max_cost": float(np.max(costs)) if costs else 0.0,
-            "padding_fraction": {s: round(1.0 - self._used[s] / self._slots[s], 6) for s in sorted(self._slots) if self._slots[s]},
+            "padding_fraction": {
+                s: round(1.0 - self._used[s] / self._slots[s], 6) for s in sorted(self._slots) if self._slots[s]
+            },
             "balance_max_over_mean": balance(self._step_costs),
         }
 
@@ -83,10 +85,15 @@ class PlanReport:
         rows = []
         for cost, _, mb in sorted(self._heap, key=lambda e: (-e[0], -e[1])):
             lengths = self.plan.stream_lengths(mb.positions, self._cost)
-            rows.append({
-                "cost": cost, "epoch": mb.epoch, "micro_batch": mb.index, "window": mb.window,
-                "samples": int(mb.positions.size),
-                "longest": {s: int(v.max()) for s, v in lengths.items() if v.size and v.any()},
-                "positions": mb.positions.tolist(),
-            })
+            rows.append(
+                {
+                    "cost": cost,
+                    "epoch": mb.epoch,
+                    "micro_batch": mb.index,
+                    "window": mb.window,
+                    "samples": int(mb.positions.size),
+                    "longest": {s: int(v.max()) for s, v in lengths.items() if v.size and v.any()},
+                    "positions": mb.positions.tolist(),
+                }
+            )
         return rows

@@ -33,7 +33,16 @@ from ._protocol import KEYS_EXT, TENSOR_EXT, ProtocolError, decode
 _ALIGN = 64
 _MIN_SEGMENT = 1 << 20
 DTYPES: tuple[str, ...] = (
-    "uint8", "int8", "int16", "int32", "int64", "float16", "float32", "float64", "bool", "bfloat16",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "float32",
+    "float64",
+    "bool",
+    "bfloat16",
 )
 """The dtype of each code a reference carries (the wire's numbering: never reorder, only append)."""
 _NUMPY = {code: np.dtype(name) for code, name in enumerate(DTYPES) if name != "bfloat16"}  # native order
@@ -92,7 +101,7 @@ class SegmentWriter:
         if base is None or self.needed > self.segment.size:
             self.overflowed = True
             return np.empty(shape, dtype=dtype)
-        return base[start:start + nbytes].view(dtype).reshape(shape)
+        return base[start : start + nbytes].view(dtype).reshape(shape)
 
 
 def grown_size(needed: int) -> int:
@@ -156,14 +165,17 @@ def _inline(value: Any, segment: Segment) -> Any:
 def _reference(array: np.ndarray, segment: Segment) -> bytes:
     code = _CODES.get(array.dtype)
     if code is None:
-        raise TypeError(f"a batch array of dtype {array.dtype} cannot be handed over; use one of "
-                        f"{', '.join(n for n in DTYPES if n != 'bfloat16')} in native byte order")
+        raise TypeError(
+            f"a batch array of dtype {array.dtype} cannot be handed over; use one of "
+            f"{', '.join(n for n in DTYPES if n != 'bfloat16')} in native byte order"
+        )
     nbytes = array.nbytes
     offset = 0 if nbytes == 0 else array.__array_interface__["data"][0] - segment.address
     if nbytes and (not array.flags.c_contiguous or offset < 0 or offset + nbytes > segment.size):
         raise ValueError("a batch array is not in the batch's shared-memory segment (collate with its allocator)")
-    return (_REF.pack(segment.slot, segment.generation, offset, code, array.ndim)
-            + struct.pack(f"<{array.ndim}q", *array.shape))
+    return _REF.pack(segment.slot, segment.generation, offset, code, array.ndim) + struct.pack(
+        f"<{array.ndim}q", *array.shape
+    )
 
 
 def read_reference(data: bytes) -> tuple[int, int, int, str, tuple[int, ...]]:
@@ -209,8 +221,9 @@ def read_layout(layout: bytes) -> list[tuple[list[Any], bytes | None]]:
     return pairs
 
 
-def build_template(entries: list[tuple[list[Any], bytes | None]],
-                   make: Callable[[bytes], Any]) -> tuple[Template, list[Any]]:
+def build_template(
+    entries: list[tuple[list[Any], bytes | None]], make: Callable[[bytes], Any]
+) -> tuple[Template, list[Any]]:
     """The template of a layout's entries, with ``make(reference)`` for each array, and those arrays in order."""
     root: Template = ({}, {})
     made = []
@@ -256,7 +269,7 @@ def _view(base: np.ndarray, data: bytes) -> np.ndarray:
         raise ValueError("a tensor reference points outside its segment")
     if not nbytes:
         return np.empty(raw, dtype=dtype)
-    return base[offset:offset + nbytes].view(dtype).reshape(raw)
+    return base[offset : offset + nbytes].view(dtype).reshape(raw)
 
 
 def decode_arrays(frame: bytes, base: np.ndarray) -> dict[str, Any]:

@@ -25,8 +25,14 @@ from ..plan import open_audit_log
 def resume_marker(attempt: str, state: Mapping[str, Any]) -> dict[str, Any]:
     """The audit record that opens ``attempt`` at ``state`` (a feed state): where its deliveries resume."""
     plan = state["plan"]
-    return {"resume": attempt, "epoch": plan["epoch"], "step": plan["step"], "accum_done": state["accum_done"],
-            "topology_version": plan["topology_version"], "keys": []}
+    return {
+        "resume": attempt,
+        "epoch": plan["epoch"],
+        "step": plan["step"],
+        "accum_done": state["accum_done"],
+        "topology_version": plan["topology_version"],
+        "keys": [],
+    }
 
 
 class AttemptLog:

@@ -23,8 +23,10 @@ class ServiceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    index: str = Field(description="The index directory (`omnifeed index`); a relative path in YAML is relative to "
-                       "the YAML file's folder, as every path of the file is.")
+    index: str = Field(
+        description="The index directory (`omnifeed index`); a relative path in YAML is relative to "
+        "the YAML file's folder, as every path of the file is."
+    )
     feed: FeedConfig = Field(default_factory=FeedConfig, description="The feed engine: plan, decoding, pools, cache.")
     socket: str = Field(
         default_factory=default_socket,
@@ -45,17 +47,29 @@ class ServiceConfig(BaseModel):
     )
     max_clients: int = Field(default=256, ge=1, description="Connections served at once; more are refused.")
     idle_timeout_s: float = Field(
-        default=300.0, gt=0, description="A connection that sends no request for this long is closed (error `idle`; "
-        "a FeedClient reconnects where it was).")
+        default=300.0,
+        gt=0,
+        description="A connection that sends no request for this long is closed (error `idle`; "
+        "a FeedClient reconnects where it was).",
+    )
     frame_timeout_s: float = Field(
-        default=10.0, gt=0, description="A new connection must send its first request within this, and a request "
-        "once begun must arrive whole within this (and a reply be taken); else the connection is closed.")
+        default=10.0,
+        gt=0,
+        description="A new connection must send its first request within this, and a request "
+        "once begun must arrive whole within this (and a reply be taken); else the connection is closed.",
+    )
     max_micro_batches_per_step: int = Field(
-        default=65536, ge=1, description="A hello whose data-parallel size × gradient accumulation (the micro-batches "
-        "a step deals) is larger is refused (error `topology`), as is one larger than an epoch of the plan.")
+        default=65536,
+        ge=1,
+        description="A hello whose data-parallel size × gradient accumulation (the micro-batches "
+        "a step deals) is larger is refused (error `topology`), as is one larger than an epoch of the plan.",
+    )
     max_micro_batches_dealt: int = Field(
-        default=16 * 65536, ge=1, description="The micro-batches all streams' steps deal together (each stream deals "
-        "its whole step); a new stream past it closes streams without clients, else its hello gets `busy`.")
+        default=16 * 65536,
+        ge=1,
+        description="The micro-batches all streams' steps deal together (each stream deals "
+        "its whole step); a new stream past it closes streams without clients, else its hello gets `busy`.",
+    )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServiceConfig:

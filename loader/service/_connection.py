@@ -37,8 +37,13 @@ class Connection:
     said_bye: bool = False
     timed_out: bool = False  # closed by the service for idling: not a client that crashed
 
-    def serve(self, handle: Callable[[dict[str, Any]], bool], stopping: threading.Event, idle_timeout: float,
-              frame_timeout: float) -> None:
+    def serve(
+        self,
+        handle: Callable[[dict[str, Any]], bool],
+        stopping: threading.Event,
+        idle_timeout: float,
+        frame_timeout: float,
+    ) -> None:
         """Read requests and ``handle`` each until it returns False, the client goes, a rule is broken (an error
         reply, then the socket is closed) or ``stopping`` is set. `RequestError` from ``handle`` is answered too."""
         sock = self.sock
@@ -49,14 +54,20 @@ class Connection:
                 if not _readable(sock, waiting):
                     self.timed_out = True
                     what = "sent no request" if first else "was idle"
-                    refuse(sock, "idle", f"the connection {what} for {waiting:g} s (idle_timeout_s / frame_timeout_s "
-                                         "in the service config); connect again to go on")
+                    refuse(
+                        sock,
+                        "idle",
+                        f"the connection {what} for {waiting:g} s (idle_timeout_s / frame_timeout_s "
+                        "in the service config); connect again to go on",
+                    )
                     return
                 try:  # a deadline for the whole request, not each read: a byte every few seconds is no request
                     try:
                         message, _ = receive(sock, MAX_REQUEST_BYTES, deadline=time.monotonic() + frame_timeout)
                     finally:
-                        sock.settimeout(frame_timeout)  # for the reply (the deadline left the socket's at what remained)
+                        sock.settimeout(
+                            frame_timeout
+                        )  # for the reply (the deadline left the socket's at what remained)
                 except TimeoutError:
                     self.timed_out = True
                     refuse(sock, "idle", f"a request was not sent whole within {frame_timeout:g} s (frame_timeout_s)")

@@ -60,35 +60,47 @@ class Handshake:
         per_epoch, epoch_words = epoch_micro_batches(plan)
         cap = min(config.max_micro_batches_per_step, config.max_micro_batches_dealt)
         self.max_step = min(cap, per_epoch)  # micro-batches a hello's step may deal: its cost, time and memory
-        name = ("max_micro_batches_per_step" if cap == config.max_micro_batches_per_step
-                else "max_micro_batches_dealt")
-        self._max_step_why = (f"{name} is {cap} in the service config" if cap <= per_epoch
-                              else f"an epoch of {config.index} deals {epoch_words}")
+        name = "max_micro_batches_per_step" if cap == config.max_micro_batches_per_step else "max_micro_batches_dealt"
+        self._max_step_why = (
+            f"{name} is {cap} in the service config"
+            if cap <= per_epoch
+            else f"an epoch of {config.index} deals {epoch_words}"
+        )
 
     def hello(self, message: Mapping[str, Any], default_token: str) -> Hello:
         """``message`` checked (the module's order), or `RequestError`; ``default_token`` for a client without one."""
         protocol = message.get("protocol")
         if protocol != PROTOCOL:
-            raise RequestError("protocol", f"protocol version {protocol!r} is not served here (this service speaks "
-                               f"{PROTOCOL}); use an omnifeed client of the same version as the service")
+            raise RequestError(
+                "protocol",
+                f"protocol version {protocol!r} is not served here (this service speaks "
+                f"{PROTOCOL}); use an omnifeed client of the same version as the service",
+            )
         for what in ("index_fingerprint", "config_fingerprint"):
             expected, mine = message.get(what), getattr(self.plan, what)
             if expected is not None and expected != mine:
-                raise RequestError("fingerprint", f"the client expects {what} {expected} but this service feeds "
-                                   f"{mine} ({self.config.index}); point the client at the service for its dataset")
+                raise RequestError(
+                    "fingerprint",
+                    f"the client expects {what} {expected} but this service feeds "
+                    f"{mine} ({self.config.index}); point the client at the service for its dataset",
+                )
         rank = _int(message, "rank", 0, MAX_WORLD - 1)
         world = _int(message, "world_size", 1, MAX_WORLD)
         dp_world = _int(message, "dp_world_size", 1, world)
         dp_rank = _int(message, "dp_rank", 0, dp_world - 1)
         accum = _int(message, "grad_accum", 1, MAX_GRAD_ACCUM)
         if world % dp_world or rank >= world:
-            raise RequestError("topology", f"world size {world} (rank {rank}) is not a multiple of the data-parallel "
-                               f"size {dp_world}")
+            raise RequestError(
+                "topology", f"world size {world} (rank {rank}) is not a multiple of the data-parallel size {dp_world}"
+            )
         group = world // dp_world
         if group > self.config.max_clients:
-            raise RequestError("topology", f"world size {world} at data-parallel size {dp_world} makes groups of {group} "
-                               f"peers that share a stream, but this service serves {self.config.max_clients} "
-                               "connections at most (max_clients in the service config)")
+            raise RequestError(
+                "topology",
+                f"world size {world} at data-parallel size {dp_world} makes groups of {group} "
+                f"peers that share a stream, but this service serves {self.config.max_clients} "
+                "connections at most (max_clients in the service config)",
+            )
         self._check_step(dp_world, accum)
         state = self._state(message.get("state"), dp_world, accum)
         token = message.get("token", default_token)
@@ -113,9 +125,12 @@ class Handshake:
 
     def _check_step(self, dp_world: int, accum: int) -> None:
         if dp_world * accum > self.max_step:
-            raise RequestError("topology", f"a step at data-parallel size {dp_world} with grad_accum {accum} deals "
-                               f"{dp_world * accum} micro-batches, but this service deals at most {self.max_step} "
-                               f"per step ({self._max_step_why}); lower the data-parallel size or the accumulation")
+            raise RequestError(
+                "topology",
+                f"a step at data-parallel size {dp_world} with grad_accum {accum} deals "
+                f"{dp_world * accum} micro-batches, but this service deals at most {self.max_step} "
+                f"per step ({self._max_step_why}); lower the data-parallel size or the accumulation",
+            )
 
     def _state(self, state: Any, dp_world: int, accum: int) -> dict[str, Any]:
         try:

@@ -30,9 +30,11 @@ class Listener:
 
     def __init__(self, path: Path, backlog: int = 64) -> None:
         if len(os.fsencode(path)) > MAX_SOCKET_PATH:
-            raise OmnifeedError(f"socket path {path} is {len(os.fsencode(path))} bytes, more than the "
-                                f"{MAX_SOCKET_PATH} a Unix socket path may have; choose a shorter one (omnifeed serve "
-                                "--socket, or `socket:` in the config), e.g. $HOME/.omnifeed/feed.sock")
+            raise OmnifeedError(
+                f"socket path {path} is {len(os.fsencode(path))} bytes, more than the "
+                f"{MAX_SOCKET_PATH} a Unix socket path may have; choose a shorter one (omnifeed serve "
+                "--socket, or `socket:` in the config), e.g. $HOME/.omnifeed/feed.sock"
+            )
         private_directory(path.parent)
         reap_stale_socket(path)
         self.path = path
@@ -79,16 +81,22 @@ def private_directory(path: Path) -> None:
         pass
     info = os.lstat(path)
     mode = stat.S_IMODE(info.st_mode)
-    choose = ("choose a socket path in a directory only you can write (omnifeed serve --socket, or `socket:` in the "
-              "config), e.g. $HOME/.omnifeed/feed.sock, which is created 0700")
+    choose = (
+        "choose a socket path in a directory only you can write (omnifeed serve --socket, or `socket:` in the "
+        "config), e.g. $HOME/.omnifeed/feed.sock, which is created 0700"
+    )
     if stat.S_ISLNK(info.st_mode):
-        raise OmnifeedError(f"socket directory {path} is a symbolic link (to {os.readlink(path)}, owned by "
-                            f"{describe_uid(info.st_uid)}); {choose}")
+        raise OmnifeedError(
+            f"socket directory {path} is a symbolic link (to {os.readlink(path)}, owned by "
+            f"{describe_uid(info.st_uid)}); {choose}"
+        )
     if not stat.S_ISDIR(info.st_mode):
         raise OmnifeedError(f"socket directory {path} is not a directory; {choose}")
     if info.st_uid != os.getuid():
-        raise OmnifeedError(f"socket directory {path} belongs to {describe_uid(info.st_uid)}, not to this user "
-                            f"({describe_uid(os.getuid())}): that user could replace the socket; {choose}")
+        raise OmnifeedError(
+            f"socket directory {path} belongs to {describe_uid(info.st_uid)}, not to this user "
+            f"({describe_uid(os.getuid())}): that user could replace the socket; {choose}"
+        )
     if mode & 0o077:
         raise OmnifeedError(f"socket directory {path} is open to other users (mode {mode:o}); {choose}")
 

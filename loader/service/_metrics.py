@@ -47,15 +47,17 @@ def _m(name: str, kind: Literal["counter", "gauge", "info"], labels: str, help: 
 
 
 SNAPSHOT_OK = _m("snapshot_ok", "gauge", "", "1 if this scrape read the service's snapshot, 0 if it failed")
-SERVICE = _m("service", "info", "protocol index_fingerprint",
-             "wire protocol version and index fingerprint of the service")
+SERVICE = _m(
+    "service", "info", "protocol index_fingerprint", "wire protocol version and index fingerprint of the service"
+)
 UPTIME = _m("service_uptime_seconds", "gauge", "", "seconds since the service started")
 CLIENTS = _m("service_clients", "gauge", "", "trainer clients connected")
 STREAMS = _m("service_streams", "gauge", "", "batch streams open (one per rank)")
 SEGMENTS = _m("service_segments", "gauge", "", "shared-memory batch segments held")
 SEGMENT_BYTES = _m("service_segment_bytes", "gauge", "", "bytes of shared-memory batch segments held")
-ELAPSED = _m("feed_elapsed_seconds", "gauge", "",
-             "seconds the feed engine has run (the base of the *_per_second gauges)")
+ELAPSED = _m(
+    "feed_elapsed_seconds", "gauge", "", "seconds the feed engine has run (the base of the *_per_second gauges)"
+)
 BATCHES = _m("batches", "counter", "", "batches delivered to clients")
 SAMPLES = _m("samples", "counter", "", "samples delivered to clients")
 SAMPLES_PER_S = _m("samples_per_second", "gauge", "", "samples delivered per second, averaged since the feed started")
@@ -65,10 +67,15 @@ BUFFER_SAMPLES = _m("buffer_samples", "gauge", "modality", "decoded samples wait
 BUFFER_BYTES = _m("buffer_bytes", "gauge", "modality", "bytes of decoded samples waiting for the consumer")
 QUEUED = _m("queued_tasks", "gauge", "modality", "decode tasks queued for the modality's workers")
 DECODED = _m("decoded", "counter", "modality", "fields fetched and decoded")
-DECODED_PER_S = _m("decoded_per_second", "gauge", "modality",
-                   "fields decoded per second, averaged since the feed started")
-DECODE_LATENCY = _m("decode_latency_seconds", "gauge", "modality quantile",
-                    "time a decode worker spent on one field (read and decode), percentile over a sliding window")
+DECODED_PER_S = _m(
+    "decoded_per_second", "gauge", "modality", "fields decoded per second, averaged since the feed started"
+)
+DECODE_LATENCY = _m(
+    "decode_latency_seconds",
+    "gauge",
+    "modality quantile",
+    "time a decode worker spent on one field (read and decode), percentile over a sliding window",
+)
 BAD = _m("bad_samples", "counter", "modality reason", "samples that could not be read or decoded")
 CACHE_HITS = _m("cache_hits", "counter", "tier", "lookups the tier answered")
 CACHE_MISSES = _m("cache_misses", "counter", "tier", "lookups the tier did not hold")
@@ -86,36 +93,65 @@ STORAGE_BYTES = _m("storage_read_bytes", "counter", "", "bytes read from origin 
 STORAGE_RETRIES = _m("storage_retries", "counter", "", "origin reads retried")
 STORAGE_TIMEOUTS = _m("storage_timeouts", "counter", "", "origin read attempts that timed out")
 STORAGE_ERRORS = _m("storage_errors", "counter", "", "origin read attempts that failed")
-STORAGE_LATENCY = _m("storage_latency_seconds", "gauge", "quantile",
-                     "origin read latency, percentile over a sliding window")
-STORAGE_DEGRADED = _m("storage_degraded", "gauge", "",
-                      "1 while origin storage is degraded (slow reads: reading further ahead)")
+STORAGE_LATENCY = _m(
+    "storage_latency_seconds", "gauge", "quantile", "origin read latency, percentile over a sliding window"
+)
+STORAGE_DEGRADED = _m(
+    "storage_degraded", "gauge", "", "1 while origin storage is degraded (slow reads: reading further ahead)"
+)
 STORAGE_DEGRADED_CHANGES = _m("storage_degraded_changes", "counter", "", "times the degraded flag turned on or off")
-READ_AHEAD = _m("read_ahead", "gauge", "",
-                "read-ahead multiplier of the decode buffers (above 1 while storage is degraded)")
+READ_AHEAD = _m(
+    "read_ahead", "gauge", "", "read-ahead multiplier of the decode buffers (above 1 while storage is degraded)"
+)
 CLIENT_WAITED = _m("client_waited_seconds", "counter", "client rank dp_rank", "seconds the client waited for batches")
-CLIENT_LAST_WAIT = _m("client_last_wait_seconds", "gauge", "client rank dp_rank",
-                      "the client's wait for its last batch")
+CLIENT_LAST_WAIT = _m(
+    "client_last_wait_seconds", "gauge", "client rank dp_rank", "the client's wait for its last batch"
+)
 CLIENT_BATCHES = _m("client_batches", "counter", "client rank dp_rank", "batches delivered to the client")
-CLIENT_DP_WORLD = _m("client_dp_world_size", "gauge", "client rank dp_rank",
-                     "the data-parallel world size the client runs in")
+CLIENT_DP_WORLD = _m(
+    "client_dp_world_size", "gauge", "client rank dp_rank", "the data-parallel world size the client runs in"
+)
 REMOTE_CONNECTED = _m("remote_connected", "gauge", "", "1 while the Ray cluster of the remote decode workers answers")
-REMOTE_OUTAGES = _m("remote_outages", "counter", "",
-                    "times the Ray cluster was found unreachable (decoding went on with local workers only)")
+REMOTE_OUTAGES = _m(
+    "remote_outages",
+    "counter",
+    "",
+    "times the Ray cluster was found unreachable (decoding went on with local workers only)",
+)
 REMOTE_WORKERS = _m("remote_workers", "gauge", "modality", "remote decode workers (Ray actors) up")
-REMOTE_TARGET = _m("remote_workers_target", "gauge", "modality",
-                   "remote decode workers wanted now (grows while the modality starves, up to its cap)")
+REMOTE_TARGET = _m(
+    "remote_workers_target",
+    "gauge",
+    "modality",
+    "remote decode workers wanted now (grows while the modality starves, up to its cap)",
+)
 REMOTE_DECODED = _m("remote_decoded", "counter", "modality", "fields decoded by remote workers")
-REMOTE_PER_S = _m("remote_decoded_per_second", "gauge", "modality",
-                  "fields decoded per second by remote workers, averaged since the feed started")
-LOCAL_PER_S = _m("local_decoded_per_second", "gauge", "modality",
-                 "fields decoded per second by the service's own workers, averaged since the feed started")
-REMOTE_ROUND_TRIP = _m("remote_round_trip_seconds", "gauge", "modality quantile",
-                       "a remote decode task from sending to its result, percentile over a sliding window")
+REMOTE_PER_S = _m(
+    "remote_decoded_per_second",
+    "gauge",
+    "modality",
+    "fields decoded per second by remote workers, averaged since the feed started",
+)
+LOCAL_PER_S = _m(
+    "local_decoded_per_second",
+    "gauge",
+    "modality",
+    "fields decoded per second by the service's own workers, averaged since the feed started",
+)
+REMOTE_ROUND_TRIP = _m(
+    "remote_round_trip_seconds",
+    "gauge",
+    "modality quantile",
+    "a remote decode task from sending to its result, percentile over a sliding window",
+)
 REMOTE_REISSUED = _m("remote_reissued", "counter", "modality", "remote tasks past their deadline, decoded locally")
 REMOTE_LOST = _m("remote_lost", "counter", "modality", "remote workers lost (actor or node gone) mid-task")
-REMOTE_OVERDUE = _m("remote_overdue", "gauge", "modality",
-                    "answers of remote tasks past their deadline not come yet (their actors get no new task)")
+REMOTE_OVERDUE = _m(
+    "remote_overdue",
+    "gauge",
+    "modality",
+    "answers of remote tasks past their deadline not come yet (their actors get no new task)",
+)
 REMOTE_RETURNED = _m("remote_returned_bytes", "counter", "modality", "bytes of decoded arrays remote workers sent back")
 RESIZES = _m("resizes", "counter", "", "resizes (changes of the data-parallel world size) performed")
 RESIZE_SECONDS = _m("resize_seconds", "counter", "", "seconds spent in resizes, all together")
@@ -123,12 +159,25 @@ RESIZE_SECONDS = _m("resize_seconds", "counter", "", "seconds spent in resizes, 
 METRICS: tuple[MetricSpec, ...] = tuple(v for v in list(globals().values()) if isinstance(v, MetricSpec))
 """Every family the collector can export, in exposition order."""
 
-_TIER_COUNTERS = ((CACHE_HITS, "hits"), (CACHE_MISSES, "misses"), (CACHE_HIT_BYTES, "bytes_hit"),
-                  (CACHE_PUT_BYTES, "bytes_put"), (CACHE_EVICTIONS, "evicted"), (CACHE_REJECTED, "rejected"),
-                  (CACHE_ENTRIES, "entries"), (CACHE_USED, "bytes_used"), (CACHE_CAPACITY, "capacity_bytes"))
-_STORAGE_COUNTERS = ((STORAGE_READS, "reads"), (STORAGE_BYTES, "bytes"), (STORAGE_RETRIES, "retries"),
-                     (STORAGE_TIMEOUTS, "timeouts"), (STORAGE_ERRORS, "errors"),
-                     (STORAGE_DEGRADED_CHANGES, "degraded_changes"))
+_TIER_COUNTERS = (
+    (CACHE_HITS, "hits"),
+    (CACHE_MISSES, "misses"),
+    (CACHE_HIT_BYTES, "bytes_hit"),
+    (CACHE_PUT_BYTES, "bytes_put"),
+    (CACHE_EVICTIONS, "evicted"),
+    (CACHE_REJECTED, "rejected"),
+    (CACHE_ENTRIES, "entries"),
+    (CACHE_USED, "bytes_used"),
+    (CACHE_CAPACITY, "capacity_bytes"),
+)
+_STORAGE_COUNTERS = (
+    (STORAGE_READS, "reads"),
+    (STORAGE_BYTES, "bytes"),
+    (STORAGE_RETRIES, "retries"),
+    (STORAGE_TIMEOUTS, "timeouts"),
+    (STORAGE_ERRORS, "errors"),
+    (STORAGE_DEGRADED_CHANGES, "degraded_changes"),
+)
 
 
 def number(value: Any) -> float | None:
@@ -215,18 +264,36 @@ class ServiceCollector:
 def _fill(families: _Families, snap: Mapping[str, Any]) -> None:
     service = _section(snap, "service")
     families.info(SERVICE, service)
-    for spec, key in ((UPTIME, "uptime_s"), (CLIENTS, "clients"), (STREAMS, "streams"), (SEGMENTS, "segments"),
-                      (SEGMENT_BYTES, "segment_bytes")):
+    for spec, key in (
+        (UPTIME, "uptime_s"),
+        (CLIENTS, "clients"),
+        (STREAMS, "streams"),
+        (SEGMENTS, "segments"),
+        (SEGMENT_BYTES, "segment_bytes"),
+    ):
         families.add(spec, service.get(key))
-    for spec, key in ((ELAPSED, "elapsed_s"), (BATCHES, "batches"), (SAMPLES, "samples"),
-                      (SAMPLES_PER_S, "samples_per_s"), (BYTES_READ, "bytes_read"), (CONSUMER_WAIT, "consumer_wait_s"),
-                      (READ_AHEAD, "read_ahead"), (RESIZES, "resizes"), (RESIZE_SECONDS, "resize_seconds")):
+    for spec, key in (
+        (ELAPSED, "elapsed_s"),
+        (BATCHES, "batches"),
+        (SAMPLES, "samples"),
+        (SAMPLES_PER_S, "samples_per_s"),
+        (BYTES_READ, "bytes_read"),
+        (CONSUMER_WAIT, "consumer_wait_s"),
+        (READ_AHEAD, "read_ahead"),
+        (RESIZES, "resizes"),
+        (RESIZE_SECONDS, "resize_seconds"),
+    ):
         families.add(spec, snap.get(key))
     for modality, stats in _section(snap, "modalities").items():
         if not isinstance(stats, Mapping):
             continue
-        for spec, key in ((BUFFER_SAMPLES, "buffer_samples"), (BUFFER_BYTES, "buffer_bytes"), (QUEUED, "queued"),
-                          (DECODED, "decoded"), (DECODED_PER_S, "decoded_per_s")):
+        for spec, key in (
+            (BUFFER_SAMPLES, "buffer_samples"),
+            (BUFFER_BYTES, "buffer_bytes"),
+            (QUEUED, "queued"),
+            (DECODED, "decoded"),
+            (DECODED_PER_S, "decoded_per_s"),
+        ):
             families.add(spec, stats.get(key), modality)
         for key, value in _section(stats, "decode_latency_s").items():
             if (q := quantile_label(key)) is not None:
@@ -250,8 +317,12 @@ def _fill(families: _Families, snap: Mapping[str, Any]) -> None:
     for client in clients if isinstance(clients, Sequence) and not isinstance(clients, str) else ():
         if isinstance(client, Mapping):
             labels = [client.get(k, "") for k in ("client", "rank", "dp_rank")]
-            for spec, key in ((CLIENT_WAITED, "waited_s"), (CLIENT_LAST_WAIT, "last_wait_s"),
-                              (CLIENT_BATCHES, "batches"), (CLIENT_DP_WORLD, "dp_world_size")):
+            for spec, key in (
+                (CLIENT_WAITED, "waited_s"),
+                (CLIENT_LAST_WAIT, "last_wait_s"),
+                (CLIENT_BATCHES, "batches"),
+                (CLIENT_DP_WORLD, "dp_world_size"),
+            ):
                 families.add(spec, client.get(key), *labels)
 
 
@@ -263,10 +334,17 @@ def _remote(families: _Families, remote: Mapping[str, Any]) -> None:
     for modality, stats in _section(remote, "modalities").items():
         if not isinstance(stats, Mapping):
             continue
-        for spec, key in ((REMOTE_WORKERS, "workers"), (REMOTE_TARGET, "target"), (REMOTE_DECODED, "decoded"),
-                          (REMOTE_PER_S, "decoded_per_s"), (LOCAL_PER_S, "local_per_s"),
-                          (REMOTE_REISSUED, "reissued"), (REMOTE_LOST, "lost"), (REMOTE_OVERDUE, "overdue"),
-                          (REMOTE_RETURNED, "returned_bytes")):
+        for spec, key in (
+            (REMOTE_WORKERS, "workers"),
+            (REMOTE_TARGET, "target"),
+            (REMOTE_DECODED, "decoded"),
+            (REMOTE_PER_S, "decoded_per_s"),
+            (LOCAL_PER_S, "local_per_s"),
+            (REMOTE_REISSUED, "reissued"),
+            (REMOTE_LOST, "lost"),
+            (REMOTE_OVERDUE, "overdue"),
+            (REMOTE_RETURNED, "returned_bytes"),
+        ):
             families.add(spec, stats.get(key), modality)
         for key, value in _section(stats, "round_trip_s").items():
             if (q := quantile_label(key)) is not None:

@@ -97,8 +97,13 @@ def _reject_ext(code: int, data: bytes) -> Any:
     raise ProtocolError(f"msgpack extension type {code} is not allowed here")
 
 
-def receive(sock: socket.socket, limit: int, ext_hook: Callable[[int, bytes], Any] = _reject_ext,
-            accept_fds: bool = False, deadline: float | None = None) -> tuple[dict[str, Any], list[int]]:
+def receive(
+    sock: socket.socket,
+    limit: int,
+    ext_hook: Callable[[int, bytes], Any] = _reject_ext,
+    accept_fds: bool = False,
+    deadline: float | None = None,
+) -> tuple[dict[str, Any], list[int]]:
     """One message and the descriptors that came with it; ``EOFError`` when the peer closed the connection.
 
     Raises ``ProtocolError`` for a frame over ``limit`` bytes, a body that is not a msgpack
@@ -114,8 +119,9 @@ def receive(sock: socket.socket, limit: int, ext_hook: Callable[[int, bytes], An
         raise
 
 
-def receive_frame(sock: socket.socket, limit: int, accept_fds: bool = False,
-                  deadline: float | None = None) -> tuple[bytearray, list[int]]:
+def receive_frame(
+    sock: socket.socket, limit: int, accept_fds: bool = False, deadline: float | None = None
+) -> tuple[bytearray, list[int]]:
     """One frame's body, undecoded, and the descriptors that came with it (see `receive`)."""
     fds: list[int] = []
     try:
@@ -134,8 +140,9 @@ def _arm(sock: socket.socket, deadline: float | None) -> None:
         sock.settimeout(left)
 
 
-def _receive_frame(sock: socket.socket, limit: int, accept_fds: bool, deadline: float | None,
-                   fds: list[int]) -> tuple[bytearray, list[int]]:
+def _receive_frame(
+    sock: socket.socket, limit: int, accept_fds: bool, deadline: float | None, fds: list[int]
+) -> tuple[bytearray, list[int]]:
     head = bytearray()
     while len(head) < _LENGTH.size:
         _arm(sock, deadline)
@@ -206,8 +213,11 @@ class FrameReader:
         end = _LENGTH.size + length
         if length > limit or got > end:
             _close_all(fds)
-            raise ProtocolError(f"message of {length} bytes is over the limit of {limit} bytes" if length > limit
-                                else "bytes after a reply that nothing asked for")
+            raise ProtocolError(
+                f"message of {length} bytes is over the limit of {limit} bytes"
+                if length > limit
+                else "bytes after a reply that nothing asked for"
+            )
         if end > len(buffer):
             buffer = bytearray(end)
             buffer[:got] = view[:got]
@@ -220,7 +230,7 @@ class FrameReader:
                 _close_all(fds)
                 raise EOFError("the peer closed the connection in the middle of a message")
             got += n
-        return view[_LENGTH.size:end], fds
+        return view[_LENGTH.size : end], fds
 
 
 def decode(body: bytes | bytearray | memoryview, ext_hook: Callable[[int, bytes], Any] = _reject_ext) -> dict[str, Any]:
@@ -265,8 +275,10 @@ def connect(address: str, timeout: float | None, trusted_uid: int | None = None)
     return sock
 
 
-_CHOOSE = ("choose a socket path in a directory only you can write (the same for `omnifeed serve --socket` and "
-           "the client), e.g. $HOME/.omnifeed/feed.sock, which omnifeed serve creates 0700")
+_CHOOSE = (
+    "choose a socket path in a directory only you can write (the same for `omnifeed serve --socket` and "
+    "the client), e.g. $HOME/.omnifeed/feed.sock, which omnifeed serve creates 0700"
+)
 
 
 def check_socket_directory(address: str, trusted_uid: int | None = None) -> None:
@@ -281,19 +293,24 @@ def check_socket_directory(address: str, trusted_uid: int | None = None) -> None
     mode = stat.S_IMODE(info.st_mode)
     me = os.getuid()
     if stat.S_ISLNK(info.st_mode):
-        problem = (f"is a symbolic link (to {os.readlink(directory)}, owned by {describe_uid(info.st_uid)}): it could "
-                   "be re-pointed after any check")
+        problem = (
+            f"is a symbolic link (to {os.readlink(directory)}, owned by {describe_uid(info.st_uid)}): it could "
+            "be re-pointed after any check"
+        )
     elif not stat.S_ISDIR(info.st_mode):
         problem = "is not a directory"
     elif info.st_uid not in (me, trusted_uid):
-        problem = (f"belongs to {describe_uid(info.st_uid)}, not to this user ({describe_uid(me)}): that user "
-                   "could run a fake service there")
+        problem = (
+            f"belongs to {describe_uid(info.st_uid)}, not to this user ({describe_uid(me)}): that user "
+            "could run a fake service there"
+        )
     elif mode & (0o077 if info.st_uid == me else 0o022):
         problem = f"is open to other users (mode {mode:o}): any of them could replace the socket"
     else:
         return
-    raise UntrustedServiceError(f"refusing the omnifeed service at {address}: its directory {directory} {problem}; "
-                                f"{_CHOOSE}")
+    raise UntrustedServiceError(
+        f"refusing the omnifeed service at {address}: its directory {directory} {problem}; {_CHOOSE}"
+    )
 
 
 def peer_uid(sock: socket.socket) -> int:
@@ -308,9 +325,11 @@ def check_peer(sock: socket.socket, address: str, trusted_uid: int | None = None
     uid = peer_uid(sock)
     if uid == os.getuid() or (trusted_uid is not None and uid == trusted_uid):
         return
-    raise UntrustedServiceError(f"refusing the omnifeed service at {address}: the process listening there runs as "
-                                f"{describe_uid(uid)}, not as this user ({describe_uid(os.getuid())}); {_CHOOSE}, "
-                                f"or pass trusted_uid={uid} to FeedClient if that user runs your service")
+    raise UntrustedServiceError(
+        f"refusing the omnifeed service at {address}: the process listening there runs as "
+        f"{describe_uid(uid)}, not as this user ({describe_uid(os.getuid())}); {_CHOOSE}, "
+        f"or pass trusted_uid={uid} to FeedClient if that user runs your service"
+    )
 
 
 def check_reply(message: dict[str, Any], op: str) -> dict[str, Any]:
@@ -333,8 +352,9 @@ def request_metrics(address: str, timeout: float = 5.0) -> dict[str, Any]:
     return snapshot
 
 
-def wait_until_serving(address: str, process: Any = None, timeout: float = 60.0,
-                       detail: Callable[[], str] = lambda: "") -> None:
+def wait_until_serving(
+    address: str, process: Any = None, timeout: float = 60.0, detail: Callable[[], str] = lambda: ""
+) -> None:
     """Block until the service at ``address`` answers a metrics request.
 
     ``process`` (a ``subprocess.Popen`` running ``omnifeed serve``): RuntimeError as soon as it

@@ -78,11 +78,19 @@ class FeedService:
         self.ledger = BatchLedger(self.index)
         self._resizes = Resizes()
         shared = SharedResources(self.plan, self.reader, self.feed_metrics, self.pools, self.ledger.take)
-        context = StreamContext(self.index, config.feed, shared, config.prefetch_batches,
-                                next_seq=itertools.count().__next__, record_resize=self._resizes.record,
-                                audit=self.attempts.write, lend=self.ledger.lend)
-        self.streams = StreamTable(context, self.ledger, self._resizes, config.max_clients,
-                                   config.max_micro_batches_dealt)
+        context = StreamContext(
+            self.index,
+            config.feed,
+            shared,
+            config.prefetch_batches,
+            next_seq=itertools.count().__next__,
+            record_resize=self._resizes.record,
+            audit=self.attempts.write,
+            lend=self.ledger.lend,
+        )
+        self.streams = StreamTable(
+            context, self.ledger, self._resizes, config.max_clients, config.max_micro_batches_dealt
+        )
         self._lock = threading.Lock()
         self._connections: dict[int, Connection] = {}
         self._next_id = 1
@@ -107,7 +115,8 @@ class FeedService:
             from ._metrics import start_metrics_server
 
             self._metrics_server, self.metrics_port = start_metrics_server(
-                self.metrics, self.config.metrics_port, self.config.metrics_host)
+                self.metrics, self.config.metrics_port, self.config.metrics_host
+            )
         for target, name in ((self._accept, "omnifeed-accept"), (self._housekeep, "omnifeed-housekeeping")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
@@ -164,8 +173,9 @@ class FeedService:
                 connection = Connection(self._next_id, sock)
                 self._next_id += 1
                 self._connections[connection.id] = connection
-            threading.Thread(target=self._serve, args=(connection,), name=f"omnifeed-client-{connection.id}",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(connection,), name=f"omnifeed-client-{connection.id}", daemon=True
+            ).start()
 
     def _housekeep(self) -> None:
         """Close streams that had no client for ``stream_idle_s``."""
@@ -175,8 +185,12 @@ class FeedService:
     # -- one connection --------------------------------------------------------------------
     def _serve(self, connection: Connection) -> None:
         try:
-            connection.serve(lambda message: self._handle(connection, message), self._stopping,
-                             self.config.idle_timeout_s, self.config.frame_timeout_s)
+            connection.serve(
+                lambda message: self._handle(connection, message),
+                self._stopping,
+                self.config.idle_timeout_s,
+                self.config.frame_timeout_s,
+            )
         finally:
             self._disconnect(connection)
 
@@ -217,10 +231,19 @@ class FeedService:
         with stream.cond:
             stream.attach(connection.id, hello.token, hello.rank, hello.state, since, hello.group)
         connection.stream = stream
-        return {"op": "welcome", "protocol": PROTOCOL, "client": connection.id, "service": self.instance,
-                "state": hello.state, "index_fingerprint": self.plan.index_fingerprint,
-                "config_fingerprint": self.plan.config_fingerprint, "num_samples": self.index.num_samples,
-                "batch_size": self.plan.config.batch_size, "budget": self.plan.budget, "attempt": since}
+        return {
+            "op": "welcome",
+            "protocol": PROTOCOL,
+            "client": connection.id,
+            "service": self.instance,
+            "state": hello.state,
+            "index_fingerprint": self.plan.index_fingerprint,
+            "config_fingerprint": self.plan.config_fingerprint,
+            "num_samples": self.index.num_samples,
+            "batch_size": self.plan.config.batch_size,
+            "budget": self.plan.budget,
+            "attempt": since,
+        }
 
     def _release(self, token: str, released: Any) -> None:
         """The client's trainer dropped these batches (numbers are unique in this service, across streams)."""
@@ -269,13 +292,22 @@ class FeedService:
         streams = self.streams.snapshot()
         clients = streams.pop("clients")
         return {
-            "service": {"uptime_s": time.monotonic() - self._started, "protocol": PROTOCOL,
-                        "index_fingerprint": self.plan.index_fingerprint, "clients": len(clients), **streams},
+            "service": {
+                "uptime_s": time.monotonic() - self._started,
+                "protocol": PROTOCOL,
+                "index_fingerprint": self.plan.index_fingerprint,
+                "clients": len(clients),
+                **streams,
+            },
             **self.feed_metrics.snapshot(self.pools.buffers()),
-            "cache": self.reader.source.stats(), "storage_degraded": self.reader.source.degraded,
-            "read_ahead": self.reader.read_ahead(), "clients": clients,
-            "resizes": self._resizes.count, "resize_seconds": self._resizes.seconds,
-            "last_resize_s": self._resizes.last_s, "handed_over": self.ledger.handed_over,
+            "cache": self.reader.source.stats(),
+            "storage_degraded": self.reader.source.degraded,
+            "read_ahead": self.reader.read_ahead(),
+            "clients": clients,
+            "resizes": self._resizes.count,
+            "resize_seconds": self._resizes.seconds,
+            "last_resize_s": self._resizes.last_s,
+            "handed_over": self.ledger.handed_over,
             **({"remote": self.reader.remote.snapshot()} if self.reader.remote is not None else {}),
         }
 

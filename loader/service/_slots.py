@@ -21,7 +21,9 @@ class SegmentSlots:
     def __init__(self) -> None:
         self._slots: list[Segment | None] = []  # None: a slot given up when the peer group shrank
         self._free: list[Segment] = []
-        self._next_generation: dict[int, int] = {}  # of slots given up: a new segment there is never mistaken for the old
+        self._next_generation: dict[
+            int, int
+        ] = {}  # of slots given up: a new segment there is never mistaken for the old
         self.size = 0  # bytes of new and reused segments: grown_size of the largest batch so far
         self.one_offs = 0  # batches sent in one-off segments because clients held every slot
 

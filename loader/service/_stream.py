@@ -93,8 +93,9 @@ class Stream:
     def __init__(self, context: StreamContext, key: tuple[int, int, int], group: int, start: dict[str, Any]) -> None:
         self.context, self.key, self.group = context, key, group
         dp_world, dp_rank, accum = key
-        self.feed = Feed(context.index, context.config, world_size=dp_world, rank=dp_rank, grad_accum=accum,
-                         shared=context.shared)
+        self.feed = Feed(
+            context.index, context.config, world_size=dp_world, rank=dp_rank, grad_accum=accum, shared=context.shared
+        )
         self.resize_started: float | None = None  # set when this stream serves a new topology
         self.feed.load_state_dict(start)
         self.cond = threading.Condition()
@@ -206,16 +207,20 @@ class Stream:
             return True
         return _order(state) > _order(self.head)
 
-    def attach(self, client: int, token: str, rank: int, state: dict[str, Any], since: str | None,
-               group: int = 1) -> None:
+    def attach(
+        self, client: int, token: str, rank: int, state: dict[str, Any], since: str | None, group: int = 1
+    ) -> None:
         """Serve ``client`` (of a peer group of ``group``) from ``state``; restart production there when this stream is
         past it (holding the lock)."""
         if not self.servable(state):
             later = [c for c in self.clients.values() if _order(c.position) < _order(state)]
             if later:
-                raise RequestError("position", "another client of this data-parallel rank is at an earlier "
-                                   "position that does not lead to yours; tensor-parallel peers must resume from "
-                                   "the same checkpoint")
+                raise RequestError(
+                    "position",
+                    "another client of this data-parallel rank is at an earlier "
+                    "position that does not lead to yours; tensor-parallel peers must resume from "
+                    "the same checkpoint",
+                )
             self.restart_to = state
         self.clients[client] = _Attached(client, token, rank, state, since, group=group)
         self._regroup()

@@ -53,8 +53,9 @@ class Resizes:
 class StreamTable:
     """The streams by key; opening one (a topology change first, when it is one), leaving, idling, closing."""
 
-    def __init__(self, context: StreamContext, ledger: BatchLedger, resizes: Resizes, max_clients: int,
-                 max_dealt: int) -> None:
+    def __init__(
+        self, context: StreamContext, ledger: BatchLedger, resizes: Resizes, max_clients: int, max_dealt: int
+    ) -> None:
         self._context, self._ledger, self._resizes, self._max = context, ledger, resizes, max_clients
         self._max_dealt = max_dealt
         self._lock = threading.Lock()
@@ -85,9 +86,12 @@ class StreamTable:
                     while len(self._streams) >= self._max:  # streams are bounded as connections are
                         evicted.append(self._evict_idle(f"the service keeps {self._max} streams at most (max_clients)"))
                     while self._dealt() + dp_world * accum > self._max_dealt:  # and so is what they deal
-                        evicted.append(self._evict_idle(
-                            f"its streams deal {self._dealt()} micro-batches per step and this one would deal "
-                            f"{dp_world * accum} more, past max_micro_batches_dealt ({self._max_dealt})"))
+                        evicted.append(
+                            self._evict_idle(
+                                f"its streams deal {self._dealt()} micro-batches per step and this one would deal "
+                                f"{dp_world * accum} more, past max_micro_batches_dealt ({self._max_dealt})"
+                            )
+                        )
                     stream = self._streams[key] = Stream(self._context, key, group, state)
                     stream.resize_started = self._resizes.started
             for gone in evicted:
@@ -135,16 +139,32 @@ class StreamTable:
             segments, segment_bytes, one_offs = segments + count, segment_bytes + nbytes, one_offs + stream.one_offs
             with stream.cond:
                 for attached in stream.clients.values():
-                    clients.append({"client": str(attached.client), "rank": attached.rank, "dp_rank": stream.key[1],
-                                    "dp_world_size": stream.key[0], "batches": attached.batches,
-                                    "waited_s": attached.waited_s, "last_wait_s": attached.last_wait_s})
-        return {"clients": clients, "streams": len(streams), "segments": segments, "segment_bytes": segment_bytes,
-                "one_off_segments": one_offs}
+                    clients.append(
+                        {
+                            "client": str(attached.client),
+                            "rank": attached.rank,
+                            "dp_rank": stream.key[1],
+                            "dp_world_size": stream.key[0],
+                            "batches": attached.batches,
+                            "waited_s": attached.waited_s,
+                            "last_wait_s": attached.last_wait_s,
+                        }
+                    )
+        return {
+            "clients": clients,
+            "streams": len(streams),
+            "segments": segments,
+            "segment_bytes": segment_bytes,
+            "one_off_segments": one_offs,
+        }
 
     def _stale(self) -> list[Stream]:
         """Client-less streams of another topology than the newest (holding the lock); removed."""
-        stale = [k for k, s in self._streams.items()
-                 if (k[0], k[2]) != self._topology and not s.clients and self._topology is not None]
+        stale = [
+            k
+            for k, s in self._streams.items()
+            if (k[0], k[2]) != self._topology and not s.clients and self._topology is not None
+        ]
         return [self._streams.pop(k) for k in stale]
 
     def _dealt(self) -> int:
@@ -155,8 +175,11 @@ class StreamTable:
         """Make room for a new stream (holding the lock): the client-less stream idle longest, removed."""
         idle = [(s.idle_since, k) for k, s in self._streams.items() if s.idle_since is not None and not s.clients]
         if not idle:
-            raise RequestError("busy", f"{limit}, and every stream has a client; connect again later, or raise "
-                               "the limit in the service config")
+            raise RequestError(
+                "busy",
+                f"{limit}, and every stream has a client; connect again later, or raise "
+                "the limit in the service config",
+            )
         return self._streams.pop(min(idle)[1])
 
     def _retire(self, streams: list[Stream]) -> None:

@@ -7,13 +7,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_handoff.py"
 
 
+@pytest.mark.soak
 def test_bench_handoff_reports_service_dataloader_and_memcpy_figures(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
-    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
-                   capture_output=True, text=True, timeout=300, check=True)
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     report = json.loads(out.read_text())
     (size,) = report["sizes"].values()
     assert size["batch_bytes"] >= 1_000_000 and size["batches"] >= 10

@@ -7,14 +7,30 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_index.py"
 
 
+@pytest.mark.soak
 def test_bench_index_reports_build_open_and_scan_figures(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--rows", "20000", "--open-rows", "30000", "--scan-samples", "16",
-         "--work", str(tmp_path / "work")],
-        capture_output=True, text=True, timeout=600, check=True,
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--rows",
+            "20000",
+            "--open-rows",
+            "30000",
+            "--scan-samples",
+            "16",
+            "--work",
+            str(tmp_path / "work"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
     )
     report = json.loads(result.stdout)
     assert report["build"]["rows"] == 20000 and report["build_large"]["rows"] == 30000

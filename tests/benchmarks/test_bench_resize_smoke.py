@@ -7,13 +7,21 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_resize.py"
 
 
+@pytest.mark.soak
 def test_bench_resize_reports_every_change_through_the_service_and_in_process(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
-    subprocess.run([sys.executable, str(SCRIPT), "--quick", "--work", str(tmp_path / "work"), "--out", str(out)],
-                   capture_output=True, text=True, timeout=300, check=True)
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--quick", "--work", str(tmp_path / "work"), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
     report = json.loads(out.read_text())
     assert report["index"]["num_samples"] == report["rows"] == 20_000
     assert report["deep_position"]["micro_batch"] > 0
@@ -27,5 +35,6 @@ def test_bench_resize_reports_every_change_through_the_service_and_in_process(tm
             assert figures["service"]["resizes"] == resizes and figures["service"]["last_resize_ms"] > 0
         assert report["in_process"][position]["joining_rank_ms"] > 0
     assert report["service"]["deep"]["position"]["micro_batch"] == report["deep_position"]["micro_batch"]
-    assert report["service_worst_ms"] == max(report["service"][p][c]["total_max_ms"]
-                                             for p in ("early", "deep") for c in ("shrink_4_to_3", "grow_3_to_6"))
+    assert report["service_worst_ms"] == max(
+        report["service"][p][c]["total_max_ms"] for p in ("early", "deep") for c in ("shrink_4_to_3", "grow_3_to_6")
+    )

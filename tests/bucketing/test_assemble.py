@@ -35,8 +35,17 @@ def test_budgets_hold_and_every_sample_lands_once(own, look, budget, max_size) -
     look_lengths = _lengths([t for t, _ in look], [i for _, i in look])
     positions, look_positions = np.arange(len(own)) * 10, 10_000 + np.arange(len(look))
     edges = {"text": np.array([20.0, 100.0]), "image": np.array([50.0])}
-    result = assemble_budget(positions, lengths, assign_buckets(lengths, edges), budget, MODEL, max_batch_size=max_size,
-                             overlong="alone", lookahead_positions=look_positions, lookahead_lengths=look_lengths)
+    result = assemble_budget(
+        positions,
+        lengths,
+        assign_buckets(lengths, edges),
+        budget,
+        MODEL,
+        max_batch_size=max_size,
+        overlong="alone",
+        lookahead_positions=look_positions,
+        lookahead_lengths=look_lengths,
+    )
     delivered = np.concatenate(result.batches)
     assert sorted(delivered.tolist()) == sorted(positions.tolist() + look_positions[: result.consumed].tolist())
     by_position = {p: (t, i) for p, (t, i) in zip(positions.tolist() + look_positions.tolist(), own + look)}

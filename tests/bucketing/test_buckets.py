@@ -45,7 +45,9 @@ def test_fewer_than_one_bucket_is_rejected(num_buckets: int, method: Method) -> 
         ([0, 0, 2, 1, 0], 8, [1]),  # zeros are not samples of the stream
     ],
 )
-def test_degenerate_inputs_give_fewer_edges(method: Method, lengths: list[int], num_buckets: int, expected: list[int]) -> None:
+def test_degenerate_inputs_give_fewer_edges(
+    method: Method, lengths: list[int], num_buckets: int, expected: list[int]
+) -> None:
     edges = estimate_boundaries(np.array(lengths, dtype=np.int64), num_buckets, method)
     assert edges.dtype == np.float64
     assert edges.tolist() == expected
@@ -72,7 +74,9 @@ def test_malformed_costs_are_rejected(costs: np.ndarray) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(any_lengths, st.integers(1, 12), st.sampled_from(["equal_cost", "quantile"]))
-def test_edges_are_sorted_unique_present_lengths_below_the_max(lengths: list[int], num_buckets: int, method: Method) -> None:
+def test_edges_are_sorted_unique_present_lengths_below_the_max(
+    lengths: list[int], num_buckets: int, method: Method
+) -> None:
     values = np.array(lengths, dtype=np.int64)
     edges = estimate_boundaries(values, num_buckets, method)
     present = values[values > 0]
@@ -86,7 +90,9 @@ def test_edges_are_sorted_unique_present_lengths_below_the_max(lengths: list[int
 
 @settings(max_examples=150, deadline=None)
 @given(distinct_lengths, st.integers(1, 12))
-def test_quantile_buckets_on_distinct_lengths_differ_by_at_most_one_sample(lengths: list[int], num_buckets: int) -> None:
+def test_quantile_buckets_on_distinct_lengths_differ_by_at_most_one_sample(
+    lengths: list[int], num_buckets: int
+) -> None:
     values = np.array(lengths, dtype=np.int64)
     edges = estimate_boundaries(values, num_buckets, "quantile")
     counts = _bucket_totals(values, np.ones(values.size), edges)

@@ -26,16 +26,17 @@ def test_even_order_is_a_permutation_grouped_by_tier(descending: bool) -> None:
 def test_any_window_of_consecutive_micro_batches_is_even_within_two_tiers(world_size: int) -> None:
     costs = _costs(500)[:500]  # the full micro-batches only: 0.8-1.0 of the budget
     ordered = costs[even_order(costs, 1000, 0.02, np.arange(500), descending=True)]
-    ratios = [ordered[i:i + world_size].max() / ordered[i:i + world_size].mean() for i in range(500 - world_size)]
-    assert max(ratios) <= 1.02 ** 2
+    ratios = [ordered[i : i + world_size].max() / ordered[i : i + world_size].mean() for i in range(500 - world_size)]
+    assert max(ratios) <= 1.02**2
 
 
 def test_within_a_tier_the_given_shuffle_decides_and_the_result_is_pure() -> None:
     costs = np.full(50, 1000.0)
     shuffle = np.random.default_rng(3).permutation(50)
     assert even_order(costs, 1000, 0.02, shuffle, descending=True).tolist() == np.argsort(shuffle).tolist()
-    assert np.array_equal(even_order(costs, 1000, 0.02, shuffle, descending=True),
-                          even_order(costs, 1000, 0.02, shuffle, descending=True))
+    assert np.array_equal(
+        even_order(costs, 1000, 0.02, shuffle, descending=True), even_order(costs, 1000, 0.02, shuffle, descending=True)
+    )
 
 
 def test_bad_arguments_raise() -> None:

@@ -55,7 +55,9 @@ def test_equal_lengths_keep_input_order() -> None:
         ([], []),
     ],
 )
-def test_zero_length_samples_join_the_first_pack(lengths: list[int], expected: list[list[tuple[int, int, int]]]) -> None:
+def test_zero_length_samples_join_the_first_pack(
+    lengths: list[int], expected: list[list[tuple[int, int, int]]]
+) -> None:
     packs, _ = pack_window(np.arange(len(lengths)), np.array(lengths, dtype=np.int64), 6)
     assert _layout(packs) == expected
 
@@ -99,8 +101,11 @@ def test_split_emits_full_packs_first_then_packs_remainders(
 )
 def test_borrowing_takes_a_prefix_of_the_lookahead(extra: list[int], borrowed: int) -> None:
     packs, used = pack_window(
-        np.array([0, 1]), np.array([8, 9]), 10,
-        lookahead_positions=np.arange(100, 100 + len(extra)), lookahead_lengths=np.array(extra, dtype=np.int64),
+        np.array([0, 1]),
+        np.array([8, 9]),
+        10,
+        lookahead_positions=np.arange(100, 100 + len(extra)),
+        lookahead_lengths=np.array(extra, dtype=np.int64),
     )
     assert used == borrowed
     assert len(packs) == 2  # borrowing never opens a pack
@@ -154,11 +159,17 @@ def test_packing_matches_reference_first_fit_decreasing(lengths: list[int], capa
     st.lists(st.integers(0, 30), max_size=10),
     st.integers(1, 25),
 )
-def test_split_packs_cover_every_token_once_within_capacity(lengths: list[int], extra: list[int], capacity: int) -> None:
+def test_split_packs_cover_every_token_once_within_capacity(
+    lengths: list[int], extra: list[int], capacity: int
+) -> None:
     window, ahead = np.array(lengths, dtype=np.int64), np.array(extra, dtype=np.int64)
     packs, used = pack_window(
-        np.arange(window.size), window, capacity, overlong="split",
-        lookahead_positions=np.arange(window.size, window.size + ahead.size), lookahead_lengths=ahead,
+        np.arange(window.size),
+        window,
+        capacity,
+        overlong="split",
+        lookahead_positions=np.arange(window.size, window.size + ahead.size),
+        lookahead_lengths=ahead,
     )
     covered: dict[int, list[tuple[int, int]]] = defaultdict(list)
     for pack in packs:

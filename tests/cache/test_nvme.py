@@ -67,7 +67,7 @@ def _flip_value_bytes(data_file: Path, needle: bytes) -> None:
     raw[at + 10] ^= 0xFF
     with open(data_file, "r+b") as f:  # in place: the environment maps this file
         f.seek(at + 10)
-        f.write(raw[at + 10:at + 11])
+        f.write(raw[at + 10 : at + 11])
 
 
 def test_a_corrupt_entry_is_detected_dropped_and_refetched(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -113,7 +113,9 @@ def test_the_map_grows_when_it_fills(tmp_path: Path) -> None:
 
 
 def test_a_map_that_cannot_grow_degrades_to_pass_through(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    config = CacheConfig(nvme=NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=64 * 2**20, max_map_bytes=2**20))
+    config = CacheConfig(
+        nvme=NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=64 * 2**20, max_map_bytes=2**20)
+    )
     with caplog.at_level(logging.WARNING), CacheChain(config) as chain:
         for i in range(40):
             assert chain.get(key(i), lambda i=i: value(i, 100_000)) == value(i, 100_000)
@@ -201,8 +203,10 @@ def test_another_capacity_in_another_process_does_not_break_a_running_tier(tmp_p
     path = str(tmp_path / "nvme")
     with NvmeTier(NvmeTierConfig(path=path, capacity_bytes=2**30)) as tier:
         tier.put(key(1), value(1))
-        script = ("from omnifeed.cache import NvmeTier, NvmeTierConfig; "
-                  f"t = NvmeTier(NvmeTierConfig(path={path!r}, capacity_bytes=2**20)); print(t.stats()['degraded'])")
+        script = (
+            "from omnifeed.cache import NvmeTier, NvmeTierConfig; "
+            f"t = NvmeTier(NvmeTierConfig(path={path!r}, capacity_bytes=2**20)); print(t.stats()['degraded'])"
+        )
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
         assert out.strip() == "None"
         assert tier.get(key(1)) == value(1)  # the shared sketch was not resized under this mapping
@@ -213,7 +217,8 @@ def test_another_capacity_in_another_process_does_not_break_a_running_tier(tmp_p
 
 
 def test_a_directory_others_can_write_is_refused_and_the_chain_runs_without_it(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     folder = tmp_path / "nvme"
     folder.mkdir()
     folder.chmod(0o777)
@@ -236,14 +241,18 @@ def test_a_new_tier_is_private_with_a_secret_and_a_linked_path_of_ones_own_is_fi
 
 
 def test_a_tier_under_a_folder_others_can_write_is_refused_and_under_a_sticky_one_is_fine(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     # Another user could rename the private folder away and put one of theirs in its place between
     # the check and LMDB opening it by name: the folders above must be stable too.
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
     (shared / "mine").mkdir(mode=0o700)
-    with caplog.at_level(logging.WARNING), CacheChain(CacheConfig(nvme=NvmeTierConfig(path=str(shared / "mine")))) as chain:
+    with (
+        caplog.at_level(logging.WARNING),
+        CacheChain(CacheConfig(nvme=NvmeTierConfig(path=str(shared / "mine")))) as chain,
+    ):
         assert "nvme" not in chain.tiers
         assert chain.get(key(1), lambda: value(1)) == value(1)
     assert f"{shared} (of" in caplog.text and "mode 777" in caplog.text and "sticky" in caplog.text
@@ -278,8 +287,9 @@ def test_an_entry_forged_without_the_secret_is_not_served(tmp_path: Path, caplog
     assert fetched == [1] and "failed its checksum" in caplog.text
 
 
-def test_a_cache_without_a_secret_gets_one_and_drops_its_entries(tmp_path: Path,
-                                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_a_cache_without_a_secret_gets_one_and_drops_its_entries(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     nvme = NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=8 * 2**20)
     with NvmeTier(nvme) as tier:
         assert tier.put(key(1), value(1)) and tier.put(key(2), value(2))

@@ -72,8 +72,13 @@ def test_byte_budget_holds_and_entries_are_never_wrong_under_churn(ops: list[tup
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["put", "get", "discard"]), st.integers(0, 40), st.integers(0, 12_000)),
-                min_size=1, max_size=300))
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["put", "get", "discard"]), st.integers(0, 40), st.integers(0, 12_000)),
+        min_size=1,
+        max_size=300,
+    )
+)
 def test_a_discarded_entry_never_comes_back_and_its_replacement_outlives_it(ops: list[tuple[str, int, int]]) -> None:
     """A reader that finds an entry unusable discards it; the value stored next is what later reads get."""
     config = RamTierConfig(name=f"d-{uuid.uuid4().hex[:12]}", capacity_bytes=64 * 1024, max_entry_fraction=0.5)
@@ -190,7 +195,9 @@ def test_a_process_killed_mid_write_leaves_no_wrong_entry(ram_config: RamTierCon
     with RamTier(ram_config) as tier:
         for i in range(10):
             tier.put(key(i), value(i, 1000))
-        child = multiprocessing.get_context("fork").Process(target=_die_mid_write, args=(ram_config.name, ram_config.capacity_bytes))
+        child = multiprocessing.get_context("fork").Process(
+            target=_die_mid_write, args=(ram_config.name, ram_config.capacity_bytes)
+        )
         child.start()
         child.join(60)
         assert child.exitcode == -signal.SIGKILL
@@ -221,7 +228,10 @@ def test_a_tier_bigger_than_the_nodes_shared_memory_is_refused_not_a_crash(caplo
     with pytest.raises(CacheError, match="capacity_bytes"):
         RamTier(RamTierConfig(name=name, capacity_bytes=too_big))
     assert not _segment_path(f"omnifeed-ram-{name}").exists()
-    with caplog.at_level("WARNING"), CacheChain(CacheConfig(ram=RamTierConfig(name=name, capacity_bytes=too_big))) as chain:
+    with (
+        caplog.at_level("WARNING"),
+        CacheChain(CacheConfig(ram=RamTierConfig(name=name, capacity_bytes=too_big))) as chain,
+    ):
         assert "ram" not in chain.tiers and chain.get(key(1), lambda: b"origin") == b"origin"
     assert "running without the RAM tier" in caplog.text
     RamTier.remove(name)

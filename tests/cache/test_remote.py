@@ -7,9 +7,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from range_http import RangeServer
 
 from omnifeed.cache import RemoteTier, RemoteTierConfig, is_transient
-from range_http import RangeServer
 
 pytest.importorskip("aiohttp")
 
@@ -32,7 +32,7 @@ def test_transient_errors_are_retried_until_the_read_succeeds(server: RangeServe
     server.fail_fraction = 0.3
     remote = RemoteTier(RemoteTierConfig(timeout_s=10, retries=8, backoff_s=0.001))
     for offset in range(0, 4000, 100):
-        assert remote.read_range(f"{server.url}/blob.bin", offset, 10) == (bytes(range(256)) * 64)[offset:offset + 10]
+        assert remote.read_range(f"{server.url}/blob.bin", offset, 10) == (bytes(range(256)) * 64)[offset : offset + 10]
     assert server.failures > 0 and remote.stats()["retries"] == server.failures
     remote.close()
 
@@ -43,7 +43,9 @@ def test_a_permanent_outage_gives_up_naming_the_url(server: RangeServer) -> None
     with pytest.raises(Exception) as caught:
         remote.read_range(f"{server.url}/blob.bin", 0, 10)
     assert is_transient(caught.value)
-    assert any("gave up after 3 attempts" in note and server.url in note for note in getattr(caught.value, "__notes__", []))
+    assert any(
+        "gave up after 3 attempts" in note and server.url in note for note in getattr(caught.value, "__notes__", [])
+    )
     remote.close()
 
 

@@ -22,16 +22,18 @@ import datasets
 import numpy as np
 import pytest
 import yaml
-from PIL import Image
-
 from feed_service import ServiceProcess, short_socket_dir, write_config
+from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_classifier.py"
 OMNIFEED = str(Path(sys.executable).with_name("omnifeed"))
-FEED = {"plan": {"seed": 7, "batch_size": 8},  # 64 samples: 8 steps an epoch, 24 steps cross two epoch boundaries
-        "transforms": {"image": [{"random_resized_crop": {"size": 32, "scale": [0.5, 1.0]}},
-                                 {"horizontal_flip": {"p": 0.5}}]}}
+FEED = {
+    "plan": {"seed": 7, "batch_size": 8},  # 64 samples: 8 steps an epoch, 24 steps cross two epoch boundaries
+    "transforms": {
+        "image": [{"random_resized_crop": {"size": 32, "scale": [0.5, 1.0]}}, {"horizontal_flip": {"p": 0.5}}]
+    },
+}
 STEPS, SAVE_EVERY, KILL_AFTER = 24, 4, 6
 COMPARED = ("step", "epoch", "keys", "labels", "pixels", "shape")  # not the loss: float sums need not be bitwise equal
 
@@ -44,10 +46,15 @@ def write_dataset(path: Path, count: int = 64, classes: int = 4) -> Path:
     images = []
     for i in range(count):
         height, width = rng.integers(36, 56, 2)
-        images.append(Image.fromarray(np.clip(colours[i % classes] + rng.normal(0, 30, (height, width, 3)), 0, 255)
-                                      .astype(np.uint8)))
+        images.append(
+            Image.fromarray(
+                np.clip(colours[i % classes] + rng.normal(0, 30, (height, width, 3)), 0, 255).astype(np.uint8)
+            )
+        )
     features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(num_classes=classes)})
-    table = datasets.Dataset.from_dict({"image": images, "label": [i % classes for i in range(count)]}, features=features)
+    table = datasets.Dataset.from_dict(
+        {"image": images, "label": [i % classes for i in range(count)]}, features=features
+    )
     table.to_parquet(str(path))
     return path
 
@@ -73,15 +80,30 @@ def run(command: list[str]) -> None:
 def train_command(paths: dict[str, Path], checkpoint: Path, log: Path, *source: str) -> list[str]:
     """The script's command line: in-process over the index, or ``source`` (``--socket PATH``)."""
     source = source or ("--index", str(paths["index"]), "--config", str(paths["config"]))
-    return [sys.executable, str(SCRIPT), *source, "--num-classes", "4", "--max-steps", str(STEPS),
-            "--checkpoint", str(checkpoint), "--save-every", str(SAVE_EVERY), "--log-batches", str(log)]
+    return [
+        sys.executable,
+        str(SCRIPT),
+        *source,
+        "--num-classes",
+        "4",
+        "--max-steps",
+        str(STEPS),
+        "--checkpoint",
+        str(checkpoint),
+        "--save-every",
+        str(SAVE_EVERY),
+        "--log-batches",
+        str(log),
+    ]
 
 
 def read_log(path: Path) -> list[dict[str, Any]]:
     """The complete JSON lines of a batch log (a killed run may leave half a line)."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")]
+    return [
+        json.loads(line) for line in path.read_text(encoding="utf-8").splitlines(keepends=True) if line.endswith("\n")
+    ]
 
 
 def compared(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -103,8 +125,9 @@ def test_the_uninterrupted_run_trains_on_int64_labels_with_a_finite_loss(dataset
 @pytest.mark.timeout(300)
 def test_a_run_killed_and_resumed_sees_the_uninterrupted_batches(dataset: dict[str, Path], tmp_path: Path) -> None:
     checkpoint, killed_log, resumed_log = tmp_path / "run.pt", tmp_path / "killed.jsonl", tmp_path / "resumed.jsonl"
-    process = subprocess.Popen(train_command(dataset, checkpoint, killed_log), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)
+    process = subprocess.Popen(
+        train_command(dataset, checkpoint, killed_log), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
     try:
         while len(read_log(killed_log)) < KILL_AFTER and process.poll() is None:
             time.sleep(0.01)

@@ -25,12 +25,12 @@ import yaml
 from omnifeed.cache import NvmeTierConfig, RamTierConfig
 from omnifeed.loader import IndexConfig, IndexFormatError, SampleIndex, SourceError, build_index
 from omnifeed.loader._config import ConfigError, load_yaml
-from omnifeed.loader.decode._registry import DecodeError, make_decoder
 from omnifeed.loader.decode._config import DecodeConfig
+from omnifeed.loader.decode._registry import DecodeError, make_decoder
 from omnifeed.loader.index._records import FieldLocation, ShardSpec
 from omnifeed.loader.index._scan import scan_shard
-from omnifeed.loader.service._arena import Segment
 from omnifeed.loader.index._sources import read_field
+from omnifeed.loader.service._arena import Segment
 from omnifeed.loader.service._protocol import MAX_REPLY_BYTES, MAX_REQUEST_BYTES, ProtocolError, decode, receive
 from omnifeed.tools._demo_data import encode_flac
 
@@ -48,8 +48,10 @@ DANGEROUS = re.compile(
     r"|\bdill\b|\bcloudpickle\b|\bshelve\b|jsonpickle|allow_pickle\s*=\s*True|torch\.load\((?!.*weights_only=True)"
 )
 ALLOWED = {
-    ("loader/dataloader/_handoff.py", "Unpickler"):
-        "the drop-in DataLoader's batches from its own worker processes (as torch's DataLoader does)",
+    (
+        "loader/dataloader/_handoff.py",
+        "Unpickler",
+    ): "the drop-in DataLoader's batches from its own worker processes (as torch's DataLoader does)",
 }
 
 
@@ -64,11 +66,14 @@ def test_no_code_path_unpickles_or_evaluates_anything_except_the_dataloaders_own
     assert found == set(ALLOWED), "a new unpickle/eval/unsafe load: justify it in docs/security.md and ALLOWED"
 
 
-@pytest.mark.parametrize("body", [
-    pickle.dumps({"op": "hello"}),
-    msgpack.packb({"op": "hello", "x": msgpack.ExtType(1, b"\0" * 16)}),  # a tensor reference, sent to the service
-    msgpack.packb({"op": "hello", "x": msgpack.ExtType(42, b"os.system")}),
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        pickle.dumps({"op": "hello"}),
+        msgpack.packb({"op": "hello", "x": msgpack.ExtType(1, b"\0" * 16)}),  # a tensor reference, sent to the service
+        msgpack.packb({"op": "hello", "x": msgpack.ExtType(42, b"os.system")}),
+    ],
+)
 def test_the_control_protocol_accepts_plain_msgpack_only(body: bytes) -> None:
     with pytest.raises(ProtocolError):
         decode(body)
@@ -107,14 +112,29 @@ def test_a_release_of_more_than_4096_batches_is_refused_and_the_service_goes_on(
         body = msgpack.packb(message)
         return struct.pack("!I", len(body)) + body
 
-    config = ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=0, batch_size=2)),
-                           socket=str(short_socket_dir() / "feed.sock"))
+    config = ServiceConfig(
+        index=str(index_dir),
+        feed=FeedConfig(plan=PlanConfig(seed=0, batch_size=2)),
+        socket=str(short_socket_dir() / "feed.sock"),
+    )
     with FeedService(config) as service:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(30)
             sock.connect(service.address)
-            sock.sendall(frame({"op": "hello", "protocol": PROTOCOL, "rank": 0, "world_size": 1, "dp_rank": 0,
-                                "dp_world_size": 1, "grad_accum": 1, "state": None}))
+            sock.sendall(
+                frame(
+                    {
+                        "op": "hello",
+                        "protocol": PROTOCOL,
+                        "rank": 0,
+                        "world_size": 1,
+                        "dp_rank": 0,
+                        "dp_world_size": 1,
+                        "grad_accum": 1,
+                        "state": None,
+                    }
+                )
+            )
             assert receive(sock, MAX_REPLY_BYTES)[0]["op"] == "welcome"
             sock.sendall(frame({"op": "next", "release": list(range(4097))}))
             reply = receive(sock, MAX_REPLY_BYTES)[0]
@@ -126,7 +146,7 @@ def test_a_release_of_more_than_4096_batches_is_refused_and_the_service_goes_on(
 def test_a_client_refuses_a_tensor_reference_outside_its_segment() -> None:
     import mmap
 
-    from omnifeed.loader.service._arena import DTYPES, _REF
+    from omnifeed.loader.service._arena import _REF, DTYPES
     from omnifeed.trainer_adapter._segments import SegmentView
 
     def reference(offset: int, dtype: str, shape: tuple[int, ...], slot: int = 3) -> bytes:
@@ -135,12 +155,14 @@ def test_a_client_refuses_a_tensor_reference_outside_its_segment() -> None:
     mapped = mmap.mmap(-1, 4096)
     view = SegmentView(mapped, 3, 7)
     assert tuple(view.tensor(reference(4096 - 64, "float32", (4, 4))).shape) == (4, 4)  # the last 64 bytes: fine
-    for ref in (reference(4096 - 60, "float32", (4, 4)),  # 4 bytes past the end
-                reference(0, "uint8", (1 << 20,)),
-                reference(2, "float32", (1,)),  # misaligned
-                reference(0, "int64", (1 << 61, 1 << 3)),  # a size that overflows 64 bits
-                reference(0, "uint8", (1,), slot=4),  # another segment's
-                reference(0, "uint8", (1,))[:-3]):  # cut
+    for ref in (
+        reference(4096 - 60, "float32", (4, 4)),  # 4 bytes past the end
+        reference(0, "uint8", (1 << 20,)),
+        reference(2, "float32", (1,)),  # misaligned
+        reference(0, "int64", (1 << 61, 1 << 3)),  # a size that overflows 64 bits
+        reference(0, "uint8", (1,), slot=4),  # another segment's
+        reference(0, "uint8", (1,))[:-3],
+    ):  # cut
         with pytest.raises(ProtocolError):
             view.tensor(ref)
 
@@ -181,8 +203,9 @@ def test_the_nvme_tier_is_private_to_the_user(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("planted", ["segment open to others", "lock open to others", "segment is a link"])
-def test_the_ram_tier_refuses_a_segment_open_to_other_users(planted: str, tmp_path: Path,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
+def test_the_ram_tier_refuses_a_segment_open_to_other_users(
+    planted: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     import logging
 
     from omnifeed.cache import CacheChain, CacheConfig, CacheError
@@ -213,8 +236,9 @@ def test_the_ram_tier_refuses_a_segment_open_to_other_users(planted: str, tmp_pa
 
 
 @pytest.mark.parametrize("planted", ["data.mdb open to others", "secret is a link"])
-def test_an_nvme_tier_file_others_can_write_or_a_link_is_refused(planted: str, tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_an_nvme_tier_file_others_can_write_or_a_link_is_refused(
+    planted: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     import logging
 
     from omnifeed.cache import CacheChain, CacheConfig, CacheError
@@ -291,8 +315,12 @@ def test_the_metrics_endpoint_binds_localhost_and_serves_no_sample_data(tmp_path
 
     shard = _tar(tmp_path / "s.tar", [(f"privatekey{i}.txt", f"privatetext{i}".encode()) for i in range(8)])
     index = build_index([str(shard)], tmp_path / "index", IndexConfig(workers=1), progress=False).path
-    config = ServiceConfig(index=str(index), feed=FeedConfig(plan=PlanConfig(seed=0, batch_size=2)),
-                           socket=str(short_socket_dir() / "feed.sock"), metrics_port=0)
+    config = ServiceConfig(
+        index=str(index),
+        feed=FeedConfig(plan=PlanConfig(seed=0, batch_size=2)),
+        socket=str(short_socket_dir() / "feed.sock"),
+        metrics_port=0,
+    )
     assert ServiceConfig.model_fields["metrics_host"].default == "127.0.0.1"
     with FeedService(config) as service, FeedClient(service.address) as client:
         assert client.next_batch()["__key__"][0].startswith("privatekey")
@@ -331,8 +359,10 @@ def test_a_tar_member_escaping_the_shard_is_refused_naming_the_shard_and_member(
 
 
 def test_tar_links_are_never_followed(tmp_path: Path) -> None:
-    shard = _tar(tmp_path / "links.tar", [("a.txt", b"mine"), ("a.json", "/etc/passwd"), ("a.cls", "hard:a.txt"),
-                                          ("b.txt", "../../etc/shadow")])
+    shard = _tar(
+        tmp_path / "links.tar",
+        [("a.txt", b"mine"), ("a.json", "/etc/passwd"), ("a.cls", "hard:a.txt"), ("b.txt", "../../etc/shadow")],
+    )
     scan = scan_shard(ShardSpec(str(shard), "tar"), IndexConfig())
     assert [(s.key, [f.name for f in s.fields]) for s in scan.samples] == [("a", ["txt"])]
 
@@ -391,8 +421,9 @@ def test_an_index_names_its_shards_by_absolute_path_or_url(index_dir: Path) -> N
         SampleIndex(index_dir)
 
 
-def test_index_out_keeps_a_file_written_into_it_while_the_index_was_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_index_out_keeps_a_file_written_into_it_while_the_index_was_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     import logging
 
     from omnifeed.loader.index import _out_dir
@@ -420,6 +451,7 @@ def test_index_out_keeps_a_file_written_into_it_while_the_index_was_built(tmp_pa
 
 def _png_bomb(side: int) -> bytes:
     """A real 1-bit ``side × side`` PNG of zeros: tens of KB that would decode to ``side²`` bytes."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
@@ -508,7 +540,8 @@ def test_every_decoder_has_a_guard_on_by_default() -> None:
 
 
 def test_an_image_outside_the_default_formats_is_refused_without_running_its_parser(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from PIL import EpsImagePlugin
 
     parsed: list[object] = []
@@ -525,7 +558,7 @@ def test_an_image_outside_the_default_formats_is_refused_without_running_its_par
 def test_audio_whose_header_hides_its_length_is_stopped_while_decoding() -> None:
     flac = bytearray(encode_flac(3.0, 16000, 1))
     flac[8 + 13] &= 0xF0  # STREAMINFO's total samples (36 bits) := 0, "unknown"
-    flac[8 + 14:8 + 18] = b"\0\0\0\0"
+    flac[8 + 14 : 8 + 18] = b"\0\0\0\0"
     with pytest.raises(DecodeError, match="samples after resampling") as caught:
         make_decoder("audio", DecodeConfig.model_validate({"audio": {"max_seconds": 1.0}}))(bytes(flac), "k")
     assert caught.value.reason == "too_long"
@@ -547,9 +580,9 @@ def test_a_service_refused_at_start_leaves_the_running_services_socket_alone(ind
     from feed_service import short_socket_dir, start_service
 
     from omnifeed.loader import OmnifeedError
-    from omnifeed.loader.service._server import FeedService
     from omnifeed.loader.service._config import ServiceConfig
     from omnifeed.loader.service._protocol import request_metrics
+    from omnifeed.loader.service._server import FeedService
 
     path = short_socket_dir() / "feed.sock"
     running = start_service(index_dir, path, tmp_path / "a.jsonl")

@@ -99,21 +99,33 @@ def test_every_test_the_security_page_names_exists() -> None:
 
 def test_every_test_of_test_security_py_is_named_by_the_page() -> None:
     named = {r.name for r in references(DOC.read_text(encoding="utf-8")) if r.file == BARE_FOLDER / "test_security.py"}
-    tests = {node.name for node in _module(BARE_FOLDER / "test_security.py").body
-             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    tests = {
+        node.name
+        for node in _module(BARE_FOLDER / "test_security.py").body
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+    }
     assert not tests - named, f"tests of test_security.py that docs/security.md does not name: {sorted(tests - named)}"
 
 
 def test_the_resolver_follows_the_pages_rules() -> None:
-    text = ("`test_security.py::test_a`, `::test_b[x-y]`,\n`tests/cache/test_nvme.py::test_c`, `::test_d`,"
-            " `test_fuzz_index.py`, `loader/service/_arena.py`, `test_z.py::`")
+    text = (
+        "`test_security.py::test_a`, `::test_b[x-y]`,\n`tests/cache/test_nvme.py::test_c`, `::test_d`,"
+        " `test_fuzz_index.py`, `loader/service/_arena.py`, `test_z.py::`"
+    )
     assert [(r.line, str(r.file), r.name, r.case) for r in references(text)] == [
-        (1, "tests/loader/test_security.py", "test_a", None), (1, "tests/loader/test_security.py", "test_b", "x-y"),
-        (2, "tests/cache/test_nvme.py", "test_c", None), (2, "tests/cache/test_nvme.py", "test_d", None),
-        (2, "tests/loader/test_fuzz_index.py", None, None)]
-    broken = missing(references("`test_security.py::test_not_there`, `test_decode.py::test_x`,"
-                                " `tests/loader/decode/test_decode.py::test_bad_input_is_a_decode_error_with_its_reason"
-                                "[no-such-case]`"))
+        (1, "tests/loader/test_security.py", "test_a", None),
+        (1, "tests/loader/test_security.py", "test_b", "x-y"),
+        (2, "tests/cache/test_nvme.py", "test_c", None),
+        (2, "tests/cache/test_nvme.py", "test_d", None),
+        (2, "tests/loader/test_fuzz_index.py", None, None),
+    ]
+    broken = missing(
+        references(
+            "`test_security.py::test_not_there`, `test_decode.py::test_x`,"
+            " `tests/loader/decode/test_decode.py::test_bad_input_is_a_decode_error_with_its_reason"
+            "[no-such-case]`"
+        )
+    )
     assert len(broken) == 3
     assert "has no test test_not_there" in broken[0]
     assert "no file tests/loader/test_decode.py" in broken[1] and "tests/loader/decode/test_decode.py" in broken[1]
@@ -144,8 +156,11 @@ def test_every_claim_of_the_security_page_names_its_test() -> None:
     text = DOC.read_text(encoding="utf-8")
     claims = _claims(text)
     assert len(claims) >= 25
-    untested = [f"docs/security.md:{line}: {claim.splitlines()[0][:100]}" for line, claim in claims
-                if not any(r.name for r in references(claim))]
+    untested = [
+        f"docs/security.md:{line}: {claim.splitlines()[0][:100]}"
+        for line, claim in claims
+        if not any(r.name for r in references(claim))
+    ]
     assert not untested, "claims that name no test:\n" + "\n".join(untested)
 
 
@@ -173,6 +188,7 @@ def test_no_page_or_message_suggests_chmod_on_a_shared_directory() -> None:
             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
                 if _OPEN_SHARED.search(line):
                     found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert not found, "a suggestion to chmod a shared directory (issue 23: suggest a private path instead):\n" + \
-        "\n".join(found)
+    assert not found, (
+        "a suggestion to chmod a shared directory (issue 23: suggest a private path instead):\n" + "\n".join(found)
+    )
     assert _OPEN_SHARED.search("run `chmod 700 /tmp` first") and _OPEN_SHARED.search("chmod 777 $HOME/x")

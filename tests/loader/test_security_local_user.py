@@ -25,9 +25,9 @@ import pytest
 
 from omnifeed.cache import CacheConfig, NvmeTierConfig
 from omnifeed.loader import Feed, FeedConfig, OmnifeedError, PlanConfig
-from omnifeed.loader.service._server import FeedService
 from omnifeed.loader.service._config import ServiceConfig
 from omnifeed.loader.service._protocol import UntrustedServiceError, encode
+from omnifeed.loader.service._server import FeedService
 from omnifeed.trainer_adapter import FeedClient
 
 PROBE = "omnifeed-probe"
@@ -54,9 +54,21 @@ while True:
 """
 
 _FAKE_STATE = {"format": "omnifeed.feed-state/1", "plan": {"epoch": 0, "step": 0}, "accum_done": 0, "forged": True}
-_WELCOME = encode({"op": "welcome", "protocol": 1, "client": 1, "service": "fake", "state": _FAKE_STATE,
-                   "index_fingerprint": "f" * 32, "config_fingerprint": "f" * 32, "num_samples": 1, "batch_size": 1,
-                   "budget": None, "attempt": None})
+_WELCOME = encode(
+    {
+        "op": "welcome",
+        "protocol": 1,
+        "client": 1,
+        "service": "fake",
+        "state": _FAKE_STATE,
+        "index_fingerprint": "f" * 32,
+        "config_fingerprint": "f" * 32,
+        "num_samples": 1,
+        "batch_size": 1,
+        "budget": None,
+        "attempt": None,
+    }
+)
 
 
 @dataclass
@@ -69,8 +81,14 @@ class OtherUser:
     python: str
 
     def _command(self, script: str, *args: str) -> dict:  # type: ignore[type-arg]
-        return {"args": [self.python, "-c", script, *args], "user": self.uid, "group": self.gid, "extra_groups": [],
-                "cwd": "/", "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}}
+        return {
+            "args": [self.python, "-c", script, *args],
+            "user": self.uid,
+            "group": self.gid,
+            "extra_groups": [],
+            "cwd": "/",
+            "env": {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        }
 
     def run(self, script: str, *args: str) -> str:
         """Run ``script`` as this user; its stdout (CalledProcessError if it fails)."""
@@ -91,8 +109,11 @@ def other_user() -> Iterator[OtherUser]:
         pytest.skip("useradd/getent are not available to create a second local user")
     created = False
     if subprocess.run(["getent", "passwd", PROBE], capture_output=True).returncode != 0:
-        made = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", PROBE],
-                              capture_output=True, text=True)
+        made = subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", PROBE],
+            capture_output=True,
+            text=True,
+        )
         if made.returncode != 0:
             pytest.skip(f"cannot create the local user {PROBE}: {made.stderr.strip()}")
         created = True
@@ -138,7 +159,8 @@ def connections(fake: subprocess.Popen[str]) -> list[str]:
 
 @pytest.mark.timeout(120)
 def test_a_fake_service_in_a_directory_another_user_made_is_refused_before_connecting(
-        other_user: OtherUser, shared_dir: Path) -> None:
+    other_user: OtherUser, shared_dir: Path
+) -> None:
     address = shared_dir / "omnifeed-0" / "feed.sock"  # the victim's socket path, claimed first by the other user
     other_user.run(f"import os; os.mkdir({str(address.parent)!r}); os.chmod({str(address.parent)!r}, 0o755)")
     fake = start_fake_service(other_user, address)
@@ -156,7 +178,8 @@ def test_a_fake_service_in_a_directory_another_user_made_is_refused_before_conne
 
 @pytest.mark.timeout(120)
 def test_a_listener_of_another_user_is_refused_by_its_peer_credentials_unless_trusted(
-        other_user: OtherUser, shared_dir: Path) -> None:
+    other_user: OtherUser, shared_dir: Path
+) -> None:
     folder = Path(tempfile.mkdtemp(prefix="of-v-", dir="/tmp"))  # the victim's, 0700
     try:
         folder.chmod(0o777)  # open for a moment: the other user binds a listener in it ...
@@ -178,12 +201,14 @@ def test_a_listener_of_another_user_is_refused_by_its_peer_credentials_unless_tr
 
 @pytest.mark.timeout(180)
 def test_a_symlinked_socket_directory_is_refused_by_the_service_and_the_client(
-        other_user: OtherUser, shared_dir: Path, index_dir: Path) -> None:
+    other_user: OtherUser, shared_dir: Path, index_dir: Path
+) -> None:
     private = Path(tempfile.mkdtemp(prefix="of-v-", dir="/tmp"))  # the victim's own 0700 directory
     link = shared_dir / "omnifeed-0"
     other_user.run(f"import os; os.symlink({str(private)!r}, {str(link)!r})")  # planted where the victim looks
-    config = ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
-                           socket=str(private / "feed.sock"))
+    config = ServiceConfig(
+        index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)), socket=str(private / "feed.sock")
+    )
     try:
         refused_service = FeedService(config.model_copy(update={"socket": str(link / "feed.sock")}))
         try:
@@ -222,7 +247,8 @@ for name in ("data.mdb", "lock.mdb"):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("whose", ["the other user's directory", "the victim's directory left open"])
 def test_a_planted_nvme_directory_is_refused_with_a_warning_and_the_feed_still_delivers(
-        other_user: OtherUser, shared_dir: Path, index_dir: Path, caplog: pytest.LogCaptureFixture, whose: str) -> None:
+    other_user: OtherUser, shared_dir: Path, index_dir: Path, caplog: pytest.LogCaptureFixture, whose: str
+) -> None:
     folder = shared_dir / "nvme"
     if whose == "the other user's directory":
         other_user.run(_PLANT_NVME, str(folder), "777")
@@ -232,8 +258,10 @@ def test_a_planted_nvme_directory_is_refused_with_a_warning_and_the_feed_still_d
         folder.chmod(0o777)  # the victim's, but open: the other user plants the LMDB files in it
         other_user.run(_PLANT_NVME, str(folder), "0")
         owner = "uid 0"
-    config = FeedConfig(plan=PlanConfig(seed=3, batch_size=4),
-                        cache=CacheConfig(nvme=NvmeTierConfig(path=str(folder), capacity_bytes=2**24)))
+    config = FeedConfig(
+        plan=PlanConfig(seed=3, batch_size=4),
+        cache=CacheConfig(nvme=NvmeTierConfig(path=str(folder), capacity_bytes=2**24)),
+    )
     with caplog.at_level(logging.WARNING), Feed(index_dir, config) as feed:
         assert feed.next_batch()["__key__"]
     warning = next(r.getMessage() for r in caplog.records if "running without the NVMe tier" in r.getMessage())
@@ -255,8 +283,9 @@ else:
 
 
 @pytest.mark.parametrize("planted", ["symlink", "writable file"])
-def test_a_planted_audit_log_is_refused_at_service_start(other_user: OtherUser, shared_dir: Path, index_dir: Path,
-                                                         planted: str) -> None:
+def test_a_planted_audit_log_is_refused_at_service_start(
+    other_user: OtherUser, shared_dir: Path, index_dir: Path, planted: str
+) -> None:
     victim_file = Path(tempfile.mkdtemp(prefix="of-v-", dir="/tmp")) / "precious.txt"
     victim_file.write_text("the victim's\n")
     audit = shared_dir / "audit.jsonl"
@@ -301,19 +330,24 @@ def test_a_hard_link_planted_at_the_audit_log_is_refused(tmp_path: Path, index_d
 
 
 def test_a_hard_link_planted_at_the_ram_tier_segment_is_refused_and_the_file_kept(
-        index_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    index_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from omnifeed.cache import RamTier, RamTierConfig
 
     name = f"probe-link-{os.getpid()}"
     segment = RamTier.SEGMENT_PREFIX + name
-    precious = Path(tempfile.mkstemp(prefix="of-v-", dir=str(Path("/dev/shm") if Path("/dev/shm").is_dir()
-                                                               else tempfile.gettempdir()))[1])
+    precious = Path(
+        tempfile.mkstemp(
+            prefix="of-v-", dir=str(Path("/dev/shm") if Path("/dev/shm").is_dir() else tempfile.gettempdir())
+        )[1]
+    )
     planted = precious.with_name(segment)
     try:
         precious.write_bytes(b"the victim's\n" * 1000)
         os.link(precious, planted)  # what the tier would have initialised over
-        config = FeedConfig(plan=PlanConfig(seed=3, batch_size=4),
-                            cache=CacheConfig(ram=RamTierConfig(name=name, capacity_bytes=2**20)))
+        config = FeedConfig(
+            plan=PlanConfig(seed=3, batch_size=4), cache=CacheConfig(ram=RamTierConfig(name=name, capacity_bytes=2**20))
+        )
         with caplog.at_level(logging.WARNING), Feed(index_dir, config) as feed:
             assert feed.next_batch()["__key__"]
         assert any("hard links" in r.getMessage() and segment in r.getMessage() for r in caplog.records)
@@ -324,7 +358,8 @@ def test_a_hard_link_planted_at_the_ram_tier_segment_is_refused_and_the_file_kep
 
 
 def test_index_out_in_a_folder_another_user_made_is_refused_before_scanning(
-        other_user: OtherUser, shared_dir: Path, demo_shards: list[Path]) -> None:
+    other_user: OtherUser, shared_dir: Path, demo_shards: list[Path]
+) -> None:
     from omnifeed.loader import IndexConfig, build_index
 
     out = shared_dir / "index"

@@ -14,12 +14,28 @@ from omnifeed.tools._bench import installed
 _CLI = "from omnifeed.tools._cli import main; raise SystemExit(main())"
 
 
+@pytest.mark.soak
 def test_quick_bench_runs_each_installed_loader_over_every_sample(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     loaders = "omnifeed,omnifeed-service,dataloader,webloader,dali"
-    run = subprocess.run([sys.executable, "-c", _CLI, "bench", "--quick", "--loaders", loaders,
-                          "--resume-samples", "0", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CLI,
+            "bench",
+            "--quick",
+            "--loaders",
+            loaders,
+            "--resume-samples",
+            "0",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads((out / "report.json").read_text())
     rows = {(r["loader"], r["pipeline"]): r for r in report["rows"]}
@@ -48,15 +64,29 @@ def test_quick_bench_runs_each_installed_loader_over_every_sample(tmp_path: Path
 
 
 def test_unknown_loader_is_a_usage_error(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-c", _CLI, "bench", "--quick", "--loaders", "omnifeed,fastloader",
-                          "--out", str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _CLI,
+            "bench",
+            "--quick",
+            "--loaders",
+            "omnifeed,fastloader",
+            "--out",
+            str(tmp_path / "b"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 1
     assert "fastloader" in run.stderr and "dataloader" in run.stderr
 
 
 @pytest.mark.parametrize("layout", ["files", "shards"])
 def test_takes_a_users_images_as_files_or_shards(tmp_path: Path, layout: str) -> None:
-    from omnifeed.tools._bench import BenchConfig, _shards_to_folder, write_images, prepare_datasets
+    from omnifeed.tools._bench import BenchConfig, _shards_to_folder, prepare_datasets, write_images
 
     shards = write_images(tmp_path / "given-shards", 12)
     given = tmp_path / "given"

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from omnifeed.cache import NvmeTier, NvmeTierConfig, RamTier, RamTierConfig, entry_key
-from omnifeed.cache import _ram_layout
+from omnifeed.cache import NvmeTier, NvmeTierConfig, RamTier, RamTierConfig, _ram_layout, entry_key
 from omnifeed.tools._cli import main
 
 
@@ -43,7 +42,9 @@ def listed(capsys: pytest.CaptureFixture[str], *flags: str) -> list[dict]:
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
 
-def test_list_shows_a_segment_with_owner_size_entries_and_last_use(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_shows_a_segment_with_owner_size_entries_and_last_use(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = fill(name, 3)
     (row,) = [row for row in listed(capsys) if row["name"] == name]
     assert row["path"] == str(path) and row["entries"] == 3 and row["state"] == "ready"
@@ -91,9 +92,17 @@ def test_all_mine_removes_every_segment_of_the_user_and_nothing_else(
 def test_a_segment_in_use_is_kept_unless_forced(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     path = fill(name, 1)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from omnifeed.cache import RamTier, RamTierConfig; "
-         f"t = RamTier(RamTierConfig(name={name!r}, capacity_bytes=256 * 1024)); print('ready', flush=True); "
-         "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from omnifeed.cache import RamTier, RamTierConfig; "
+            f"t = RamTier(RamTierConfig(name={name!r}, capacity_bytes=256 * 1024)); print('ready', flush=True); "
+            "sys.stdin.read()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "ready"
         (row,) = [row for row in listed(capsys) if row["name"] == name]
@@ -119,7 +128,9 @@ def test_list_nvme_shows_the_tiers_under_a_folder(tmp_path: Path, capsys: pytest
             assert tier.put(entry_key("t", str(i), "f", "raw"), b"y" * 1000)
     (tmp_path / "unrelated").mkdir()
     rows = [row for row in listed(capsys, "--nvme", str(tmp_path)) if row["tier"] == "nvme"]
-    assert [(row["path"], row["entries"], row["state"]) for row in rows] == [(str(tmp_path / "job" / "tier"), 5, "ready")]
+    assert [(row["path"], row["entries"], row["state"]) for row in rows] == [
+        (str(tmp_path / "job" / "tier"), 5, "ready")
+    ]
     assert rows[0]["bytes_used"] > 5000 and rows[0]["size_bytes"] > 0
 
 
@@ -130,7 +141,9 @@ def test_the_ram_tier_logs_its_segment_and_how_to_remove_it(name: str, caplog: p
 
 
 @pytest.mark.timeout(60)
-def test_list_nvme_never_opens_a_fifo_or_another_users_database(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_list_nvme_never_opens_a_fifo_or_another_users_database(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # Another user can plant either under a shared folder: a FIFO would block the listing's open
     # forever, and LMDB trusts the structure of the file it maps.
     (tmp_path / "fifo").mkdir()

@@ -16,10 +16,15 @@ OMNIFEED = str(Path(sys.executable).with_name("omnifeed"))
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.soak
 def test_a_short_soak_injects_every_fault_and_verifies_exactly_once_without_leaks(tmp_path: Path) -> None:
     out = tmp_path / "chaos"
-    run = subprocess.run([OMNIFEED, "chaos", "--quick", "--minutes", "0.25", "--seed", "3", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [OMNIFEED, "chaos", "--quick", "--minutes", "0.25", "--seed", "3", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert run.returncode == 0 and summary["ok"], run.stdout[-4000:] + run.stderr[-2000:]
     assert all(summary["tally"]["injected"].get(kind, 0) >= 1 for kind in KINDS), summary["tally"]["injected"]

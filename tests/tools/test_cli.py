@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from cli_runner import CliRunner
+
 from omnifeed.tools._cli import _parser
 
 OMNIFEED = [str(Path(sys.executable).with_name("omnifeed"))]
@@ -29,15 +29,19 @@ def forked_commands() -> Iterator[None]:
     _forked = None
 
 
-def run(*args: str, check: bool = True, stdin: str | None = None, script: bool = False) -> subprocess.CompletedProcess[str]:
+def run(
+    *args: str, check: bool = True, stdin: str | None = None, script: bool = False
+) -> subprocess.CompletedProcess[str]:
     """`omnifeed ARGS` in a process of its own; ``script``: start the console script itself, as a shell does."""
     if script or _forked is None:
         result = subprocess.run([*OMNIFEED, *args], capture_output=True, text=True, input=stdin, timeout=300)
     else:
         result = _forked.run(*args, stdin=stdin, timeout=300)
     if check and result.returncode != 0:
-        raise AssertionError(f"omnifeed {' '.join(args)} exited {result.returncode}:\n{result.stderr}\n"
-                             f"stdout, last lines:\n{result.stdout[-3000:]}")
+        raise AssertionError(
+            f"omnifeed {' '.join(args)} exited {result.returncode}:\n{result.stderr}\n"
+            f"stdout, last lines:\n{result.stdout[-3000:]}"
+        )
     return result
 
 
@@ -45,8 +49,19 @@ def run(*args: str, check: bool = True, stdin: str | None = None, script: bool =
 def index_dir(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "index"
     pattern = str(demo_shards[0]).replace("0000", f"{{0000..{len(demo_shards) - 1:04d}}}")
-    result = run("index", pattern, "--out", str(out), "--partitions", "3", "--workers", "2", "--no-progress",
-                 script=True)
+    result = run(
+        "index",
+        pattern,
+        "--out",
+        str(out),
+        "--partitions",
+        "3",
+        "--workers",
+        "2",
+        "--no-progress",
+        "--json",
+        script=True,
+    )
     summary = json.loads(result.stdout)
     assert summary["samples"] > 0 and summary["shards"] == len(demo_shards) and summary["errors"] == 0
     return out
@@ -68,8 +83,20 @@ def test_plan_prints_one_line_per_micro_batch_until_the_epoch_is_delivered(index
 
 def test_resume_at_another_world_size_then_verify_exactly_once(index_dir: Path, tmp_path: Path) -> None:
     state = tmp_path / "state.json"
-    first = run("plan", str(index_dir), "--seed", "7", "--world-size", "4", "--batch-size", "2",
-                "--steps", "3", "--save-state", str(state)).stdout
+    first = run(
+        "plan",
+        str(index_dir),
+        "--seed",
+        "7",
+        "--world-size",
+        "4",
+        "--batch-size",
+        "2",
+        "--steps",
+        "3",
+        "--save-state",
+        str(state),
+    ).stdout
     second = run("plan", str(index_dir), "--world-size", "3", "--resume", str(state)).stdout
     assert [r["step"] for r in records(second)][0] == 3, "steps continue across resumes"
     log = tmp_path / "delivery.jsonl"
@@ -116,7 +143,9 @@ def test_a_state_from_another_index_is_refused_naming_both_fingerprints(
 def test_index_exits_nonzero_naming_a_bad_shard_and_keeps_the_rest(demo_shards: list[Path], tmp_path: Path) -> None:
     bad = tmp_path / "bad.tar"
     bad.write_bytes(b"\0garbage" * 100)
-    result = run("index", str(demo_shards[0]), str(bad), "--out", str(tmp_path / "index"), "--no-progress", check=False)
+    result = run(
+        "index", str(demo_shards[0]), str(bad), "--out", str(tmp_path / "index"), "--no-progress", "--json", check=False
+    )
     assert result.returncode == 1
     assert str(bad) in result.stderr
     assert json.loads(result.stdout)["samples"] > 0
@@ -128,17 +157,29 @@ def test_errors_are_one_line_with_nonzero_exit(tmp_path: Path) -> None:
     assert result.stderr.startswith("omnifeed: error:") and "omnifeed index" in result.stderr
 
 
-def test_demo_runs_end_to_end_and_verifies(tmp_path: Path) -> None:
-    result = run("demo", "--out", str(tmp_path / "demo"), "--samples", "48", script=True)
-    assert "OK: every sample of epoch 0 delivered exactly once" in result.stdout
-    assert "from the source files: 0" in result.stdout  # the feed ran from the pre-cached NVMe tier
-
-
 @pytest.mark.parametrize("shuffle", ["shard_block", "none"])
-def test_every_shuffle_mode_delivers_exactly_once_across_a_resize(index_dir: Path, tmp_path: Path, shuffle: str) -> None:
+def test_every_shuffle_mode_delivers_exactly_once_across_a_resize(
+    index_dir: Path, tmp_path: Path, shuffle: str
+) -> None:
     state, log = tmp_path / "state.json", tmp_path / "log.jsonl"
-    head = run("plan", str(index_dir), "--seed", "4", "--world-size", "2", "--shuffle", shuffle,
-               "--shards-per-window", "1", "--batch-size", "5", "--steps", "2", "--save-state", str(state)).stdout
+    head = run(
+        "plan",
+        str(index_dir),
+        "--seed",
+        "4",
+        "--world-size",
+        "2",
+        "--shuffle",
+        shuffle,
+        "--shards-per-window",
+        "1",
+        "--batch-size",
+        "5",
+        "--steps",
+        "2",
+        "--save-state",
+        str(state),
+    ).stdout
     tail = run("plan", str(index_dir), "--world-size", "5", "--resume", str(state)).stdout
     log.write_text(head + tail)
     assert json.loads(run("verify", str(index_dir), str(log), "--epoch", "0").stdout)["ok"]
@@ -152,7 +193,19 @@ def test_a_malformed_log_line_is_named_by_file_and_line(index_dir: Path, tmp_pat
 
 
 def test_budget_stats_compare_with_fixed_size_batches(index_dir: Path) -> None:
-    result = run("plan", str(index_dir), "--seed", "1", "--world-size", "2", "--budget", "60000", "--overlong", "alone", "--stats")
+    result = run(
+        "plan",
+        str(index_dir),
+        "--seed",
+        "1",
+        "--world-size",
+        "2",
+        "--budget",
+        "60000",
+        "--overlong",
+        "alone",
+        "--stats",
+    )
     (line,) = result.stdout.splitlines()
     stats = json.loads(line)
     assert {"micro_batches", "padding_fraction", "balance_max_over_mean", "fixed_batch_size"} <= set(stats)
@@ -161,15 +214,35 @@ def test_budget_stats_compare_with_fixed_size_batches(index_dir: Path) -> None:
 
 
 def test_worst_lists_the_costliest_micro_batches_first(index_dir: Path) -> None:
-    rows = records(run("plan", str(index_dir), "--world-size", "2", "--budget", "60000", "--overlong", "alone", "--worst", "3").stdout)
+    rows = records(
+        run(
+            "plan", str(index_dir), "--world-size", "2", "--budget", "60000", "--overlong", "alone", "--worst", "3"
+        ).stdout
+    )
     assert len(rows) == 3 and [r["cost"] for r in rows] == sorted((r["cost"] for r in rows), reverse=True)
     assert all(r["keys"] and r["longest"] for r in rows)
 
 
-@pytest.mark.parametrize("batching", [["--budget", "60000", "--overlong", "alone"], ["--budget", "300", "--packing", "--overlong", "split"]])
-def test_bucketed_and_packed_plans_resume_at_another_world_size_exactly_once(index_dir: Path, tmp_path: Path, batching: list[str]) -> None:
+@pytest.mark.parametrize(
+    "batching", [["--budget", "60000", "--overlong", "alone"], ["--budget", "300", "--packing", "--overlong", "split"]]
+)
+def test_bucketed_and_packed_plans_resume_at_another_world_size_exactly_once(
+    index_dir: Path, tmp_path: Path, batching: list[str]
+) -> None:
     state, log = tmp_path / "state.json", tmp_path / "log.jsonl"
-    head = run("plan", str(index_dir), "--seed", "5", "--world-size", "3", *batching, "--steps", "2", "--save-state", str(state)).stdout
+    head = run(
+        "plan",
+        str(index_dir),
+        "--seed",
+        "5",
+        "--world-size",
+        "3",
+        *batching,
+        "--steps",
+        "2",
+        "--save-state",
+        str(state),
+    ).stdout
     tail = run("plan", str(index_dir), "--world-size", "2", "--resume", str(state)).stdout
     log.write_text(head + tail)
     report = json.loads(run("verify", str(index_dir), str(log), "--epoch", "0").stdout)
@@ -178,7 +251,11 @@ def test_bucketed_and_packed_plans_resume_at_another_world_size_exactly_once(ind
 
 def test_a_sample_over_the_budget_is_named_in_a_one_line_error(index_dir: Path) -> None:
     result = run("plan", str(index_dir), "--world-size", "2", "--budget", "50", check=False)
-    assert result.returncode == 1 and "sample 'sample-" in result.stderr and "over the micro-batch budget 50" in result.stderr
+    assert (
+        result.returncode == 1
+        and "sample 'sample-" in result.stderr
+        and "over the micro-batch budget 50" in result.stderr
+    )
 
 
 def test_verify_still_takes_the_index_by_its_old_flag(index_dir: Path, tmp_path: Path) -> None:
@@ -223,6 +300,50 @@ def test_a_value_out_of_range_is_one_line_with_the_allowed_range(index_dir: Path
     assert line.endswith("--partitions 2000: out of range, must be from 1 to 1024")
 
 
+@pytest.mark.parametrize(
+    ("args", "text", "meant"),
+    [
+        (
+            ["index", "{tmp}/shard.tar", "--out", "{tmp}/i"],
+            "idnex:\n  partitions: 2\n",
+            "1:1: idnex: unknown key; did you mean 'index'?",
+        ),
+        (
+            ["plan", "{index}", "--world-size", "2"],
+            "plna: {{seed: 1}}\n",
+            "1:1: plna: unknown key; did you mean 'plan'?",
+        ),
+        (
+            ["precache", "{index}", "--cache", "{tmp}/cache"],
+            "idnex: {{}}\n",
+            "1:1: idnex: unknown key; did you mean 'index'?",
+        ),
+        (["serve"], "index: {index}\nfeeed: {{}}\n", "2:1: feeed: unknown key; did you mean 'feed'?"),
+    ],
+    ids=["index", "plan", "precache", "serve"],
+)
+def test_a_misspelled_section_is_refused_by_every_command_in_the_same_line(
+    index_dir: Path, tmp_path: Path, args: list[str], text: str, meant: str
+) -> None:
+    config = tmp_path / "omnifeed.yaml"
+    values = {"tmp": str(tmp_path), "index": str(index_dir)}
+    config.write_text(text.format(**values))
+    line = one_line_error(run(*(arg.format(**values) for arg in args), "--config", str(config), check=False))
+    assert line == f"omnifeed: error: {config}:{meant}"
+
+
+def test_index_ends_with_a_human_summary_of_a_folder_of_shards(demo_shards: list[Path], tmp_path: Path) -> None:
+    result = run(
+        "index", str(demo_shards[0].parent), "--out", str(tmp_path / "index"), "--workers", "1", "--no-progress"
+    )
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"omnifeed: indexed 48 samples from {len(demo_shards)} shards into {tmp_path / 'index'}"
+    assert lines[2].startswith("samples with: text ") and any(
+        line.split()[:3] == ["image", "width", "px"] for line in lines
+    )
+    assert lines[-1] == "damaged: 0" and result.stderr == ""
+
+
 def test_debug_adds_the_traceback(tmp_path: Path) -> None:
     config = tmp_path / "service.yaml"
     config.write_text("index: [\n")
@@ -232,16 +353,19 @@ def test_debug_adds_the_traceback(tmp_path: Path) -> None:
         assert result.stderr.strip().splitlines()[-1].startswith(f"omnifeed: error: {config}:")
 
 
-@pytest.mark.parametrize("args", [
-    ["plan", "{missing}", "--world-size", "2"],
-    ["precache", "{missing}", "--cache", "{tmp}/cache"],
-    ["verify", "{missing}", "{tmp}/log.jsonl", "--epoch", "0"],
-    ["serve", "--config", "{missing}/service.yaml"],
-    ["index", "{tmp}/shard.tar", "--out", "{tmp}/index", "--config", "{missing}.yaml"],
-    ["plan", "{index}", "--world-size", "2", "--resume", "{tmp}/bad-state.json"],
-    ["plan", "{index}", "--world-size", "2", "--resume", "{missing}.json"],
-    ["cache", "list", "--nvme", "{missing}"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", "{missing}", "--world-size", "2"],
+        ["precache", "{missing}", "--cache", "{tmp}/cache"],
+        ["verify", "{missing}", "{tmp}/log.jsonl", "--epoch", "0"],
+        ["serve", "--config", "{missing}/service.yaml"],
+        ["index", "{tmp}/shard.tar", "--out", "{tmp}/index", "--config", "{missing}.yaml"],
+        ["plan", "{index}", "--world-size", "2", "--resume", "{tmp}/bad-state.json"],
+        ["plan", "{index}", "--world-size", "2", "--resume", "{missing}.json"],
+        ["cache", "list", "--nvme", "{missing}"],
+    ],
+)
 def test_common_mistakes_are_one_line_without_a_traceback(index_dir: Path, tmp_path: Path, args: list[str]) -> None:
     (tmp_path / "bad-state.json").write_text("{not json")
     (tmp_path / "log.jsonl").write_text("")
@@ -269,26 +393,33 @@ def test_every_option_has_help_and_every_command_ends_its_help_with_examples() -
     for name, parser in commands():
         names.add(name)
         actions = [a for a in parser._actions if not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
-        actions += [a for sub in parser._actions if isinstance(sub, argparse._SubParsersAction) for a in sub._choices_actions]
+        actions += [
+            a for sub in parser._actions if isinstance(sub, argparse._SubParsersAction) for a in sub._choices_actions
+        ]
         undocumented = [action.dest for action in actions if not (action.help or "").strip()]
         assert not undocumented, f"{name}: options without help text: {undocumented}"
         text = parser.format_help().rstrip().splitlines()
         examples = text.index("examples:")
-        assert 1 <= len(text) - examples - 1 <= 2 and all(line.startswith("  omnifeed ") for line in text[examples + 1:]), name
+        assert 1 <= len(text) - examples - 1 <= 2 and all(
+            line.startswith("  omnifeed ") for line in text[examples + 1 :]
+        ), name
     assert {"omnifeed plan", "omnifeed verify", "omnifeed cache list", "omnifeed cache remove"} <= names
 
 
 def test_the_index_directory_is_the_first_positional_everywhere() -> None:
     for name, parser in commands():
-        positionals = [a for a in parser._actions if not a.option_strings and not isinstance(a, argparse._SubParsersAction)]
+        positionals = [
+            a for a in parser._actions if not a.option_strings and not isinstance(a, argparse._SubParsersAction)
+        ]
         if any(a.metavar == "INDEX_DIR" for a in positionals):
             assert positionals[0].metavar == "INDEX_DIR", name
         assert not any("--index" in a.option_strings and a.help != argparse.SUPPRESS for a in parser._actions), name
 
 
 def test_stats_say_when_the_budget_is_too_small_and_suggest_budget_proposes_one(index_dir: Path) -> None:
-    stats = json.loads(run("plan", str(index_dir), "--world-size", "2", "--budget", "60000", "--overlong", "alone",
-                           "--stats").stdout)
+    stats = json.loads(
+        run("plan", str(index_dir), "--world-size", "2", "--budget", "60000", "--overlong", "alone", "--stats").stdout
+    )
     guidance = stats["budget_guidance"]
     assert {"samples_over_budget", "budget_holding_99", "budget_holding_100"} <= set(guidance)
     suggestion = json.loads(run("plan", str(index_dir), "--world-size", "2", "--suggest-budget", "4").stdout)

@@ -47,9 +47,7 @@ def _read_tars(paths: list[Path]) -> Fields:
 def _read_parquet(path: Path) -> Fields:
     rows = pq.read_table(path).to_pylist()
     return {
-        r.pop("__key__"): {
-            k: v.encode() if isinstance(v, str) else v for k, v in r.items() if v is not None
-        }
+        r.pop("__key__"): {k: v.encode() if isinstance(v, str) else v for k, v in r.items() if v is not None}
         for r in rows
     }
 
@@ -66,15 +64,11 @@ def _write_all(tmp: Path, spec: DemoDatasetSpec) -> dict[str, bytes]:
     samples = demo_samples(spec)
     files = write_webdataset(tmp / "wds", spec, samples=samples)
     files.append(write_parquet(tmp / "demo.parquet", spec, samples=samples))
-    files += sorted(
-        p for p in write_folder(tmp / "folder", spec, samples=samples).rglob("*") if p.is_file()
-    )
+    files += sorted(p for p in write_folder(tmp / "folder", spec, samples=samples).rglob("*") if p.is_file())
     return {str(p.relative_to(tmp)): p.read_bytes() for p in files}
 
 
-def test_three_layouts_hold_the_same_keys_and_bytes(
-    demo_truth, demo_shards, demo_parquet, demo_folder
-):
+def test_three_layouts_hold_the_same_keys_and_bytes(demo_truth, demo_shards, demo_parquet, demo_folder):
     truth = _truth(demo_truth)
     assert list(truth) == [f"sample-{i:06d}" for i in range(len(demo_truth))]
     assert _read_tars(demo_shards) == truth
@@ -84,9 +78,7 @@ def test_three_layouts_hold_the_same_keys_and_bytes(
 
 
 def test_layouts_are_split_into_shards_row_groups_and_parts(demo_spec, demo_shards, demo_parquet):
-    assert [p.name for p in demo_shards] == [
-        f"shard-{i:04d}.tar" for i in range(demo_spec.num_shards)
-    ]
+    assert [p.name for p in demo_shards] == [f"shard-{i:04d}.tar" for i in range(demo_spec.num_shards)]
     meta = pq.ParquetFile(demo_parquet).metadata
     assert meta.num_row_groups == -(-demo_spec.num_samples // demo_spec.row_group_size) > 1
     assert pq.read_schema(demo_parquet).names == ["__key__", *FIELDS]
@@ -193,24 +185,13 @@ def test_default_dataset_builds_within_its_stated_ranges(tmp_path):
         elif s.kind == "text":
             assert 5 <= s.words <= 2000
         elif s.kind == "video":
-            assert (
-                4 <= s.frames <= 16
-                and 8 <= s.fps <= 25
-                and 64 <= s.width <= 160
-                and 48 <= s.height <= 120
-            )
+            assert 4 <= s.frames <= 16 and 8 <= s.fps <= 25 and 64 <= s.width <= 160 and 48 <= s.height <= 120
         else:
-            assert (
-                0.2 <= s.seconds <= 3.0 and s.sample_rate in (16000, 22050) and s.channels in (1, 2)
-            )
-    assert max(s.words for s in samples if s.kind == "text") > 20 * min(
-        s.words for s in samples if s.kind == "text"
-    )
+            assert 0.2 <= s.seconds <= 3.0 and s.sample_rate in (16000, 22050) and s.channels in (1, 2)
+    assert max(s.words for s in samples if s.kind == "text") > 20 * min(s.words for s in samples if s.kind == "text")
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"num_shards": 0}, {"num_samples": 2, "num_shards": 3}, {"row_group_size": 0}]
-)
+@pytest.mark.parametrize("kwargs", [{"num_shards": 0}, {"num_samples": 2, "num_shards": 3}, {"row_group_size": 0}])
 def test_spec_rejects_impossible_layouts(kwargs):
     with pytest.raises(ValueError):
         DemoDatasetSpec(**kwargs)

@@ -27,8 +27,14 @@ def files(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.mark.parametrize("command", [["demo", "--out", "."], ["chaos", "--minutes", "0.1", "--quick", "--out", "."],
-                                     ["bench", "--quick", "--out", "."]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["demo", "--out", "."],
+        ["chaos", "--minutes", "0.1", "--quick", "--out", "."],
+        ["bench", "--quick", "--out", "."],
+    ],
+)
 def test_a_command_refuses_a_folder_it_did_not_create(tmp_path: Path, command: list[str]) -> None:
     folder = project(tmp_path / "myproject")
     before = files(folder)

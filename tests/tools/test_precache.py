@@ -14,17 +14,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import torch
+from range_http import RangeServer
+from shm_semaphores import semaphore_inodes, shm_inodes
 
 from omnifeed.cache import CacheConfig, NvmeTier, NvmeTierConfig
 from omnifeed.loader import DecodeConfig, Feed, FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
-from omnifeed.loader.feed._pipeline import fields_to_decode
 from omnifeed.loader.feed._field_source import FieldSource
+from omnifeed.loader.feed._pipeline import fields_to_decode
 from omnifeed.tools._cli import main
 from omnifeed.tools._index_commands import parse_bytes as _parse_bytes
 from omnifeed.tools._precache import partition_bytes, partition_span
-from range_http import RangeServer
 
 pytest.importorskip("aiohttp")  # fsspec's HTTP filesystem
 
@@ -42,7 +44,9 @@ def http(demo_shards: list[Path]) -> Iterator[RangeServer]:
 @pytest.fixture(scope="module")
 def http_index(http: RangeServer, demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> SampleIndex:
     out = tmp_path_factory.mktemp("precache") / "index"
-    build_index([f"{http.url}/{s.name}" for s in demo_shards], out, IndexConfig(partitions=3, workers=1), progress=False)
+    build_index(
+        [f"{http.url}/{s.name}" for s in demo_shards], out, IndexConfig(partitions=3, workers=1), progress=False
+    )
     return SampleIndex(out)
 
 
@@ -60,7 +64,7 @@ def expected(index: SampleIndex, root: Path) -> dict[bytes, bytes]:
     for sample in index.samples(range(len(index))):
         data = (root / sample.shard.url.rsplit("/", 1)[-1]).read_bytes()
         for _, field in fields_to_decode(sample):
-            out[source.raw_key(sample, field)] = data[field.offset:field.offset + field.size]
+            out[source.raw_key(sample, field)] = data[field.offset : field.offset + field.size]
     source.close()
     return out
 
@@ -86,7 +90,9 @@ def test_a_precache_killed_with_sigkill_resumes_without_refetching_what_it_cache
     cache = tmp_path / "nvme"
     args = [str(http_index.path), "--cache", str(cache), "--capacity", str(CAPACITY), "--workers", "1"]
     with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen([OMNIFEED, "precache", *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        first = subprocess.Popen(
+            [OMNIFEED, "precache", *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.monotonic() + 240  # a hang guard, not a speed check
     while server.waiting == 0 and first.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -104,6 +110,31 @@ def test_a_precache_killed_with_sigkill_resumes_without_refetching_what_it_cache
     assert "B/s" in second["stderr"]  # the progress bar: bytes per second and ETA
 
 
+def test_sigterm_stops_a_precache_as_ctrl_c_with_exit_143_and_no_worker_or_semaphore_left(
+    server: RangeServer, http_index: SampleIndex, tmp_path: Path
+) -> None:
+    server.reset(allow=0)  # every read waits: both workers are held mid-partition
+    args = [str(http_index.path), "--cache", str(tmp_path / "nvme"), "--capacity", str(CAPACITY), "--workers", "2"]
+    job = subprocess.Popen([OMNIFEED, "precache", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240  # a hang guard, not a speed check
+        while server.waiting < 2 and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert job.poll() is None, job.communicate()
+        descendants = psutil.Process(job.pid).children(recursive=True)
+        semaphores = semaphore_inodes(job.pid)
+        job.send_signal(signal.SIGTERM)
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        server.reset()
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 143, stderr
+    assert "omnifeed: terminated (SIGTERM): stopped; the entries cached so far are kept" in stderr
+    _, alive = psutil.wait_procs(descendants, timeout=60)
+    assert alive == [] and semaphores and not semaphores & shm_inodes()
+
+
 def test_a_feed_after_precache_reads_nothing_from_the_unavailable_source(
     server: RangeServer, http_index: SampleIndex, demo_shards: list[Path], tmp_path: Path
 ) -> None:
@@ -113,8 +144,10 @@ def test_a_feed_after_precache_reads_nothing_from_the_unavailable_source(
     assert (summary["cached"], summary["failed"], summary["not_held"]) == (len(truth), 0, 0)
     assert held(cache) == truth
     server.reset(down=True)
-    config = FeedConfig(plan=PlanConfig(seed=3, batch_size=4),
-                        cache=CacheConfig(nvme=NvmeTierConfig(path=str(cache), capacity_bytes=CAPACITY)))
+    config = FeedConfig(
+        plan=PlanConfig(seed=3, batch_size=4),
+        cache=CacheConfig(nvme=NvmeTierConfig(path=str(cache), capacity_bytes=CAPACITY)),
+    )
     with Feed(http_index, config) as feed:
         batches = list(iter(feed))
         metrics = feed.metrics()["cache"]
@@ -141,8 +174,12 @@ def local_index(demo_shards: list[Path], tmp_path: Path) -> tuple[SampleIndex, P
     source.mkdir()
     for shard in demo_shards:
         shutil.copy(shard, source / shard.name)
-    build_index([str(source / s.name) for s in demo_shards], tmp_path / "index", IndexConfig(partitions=3, workers=1),
-                progress=False)
+    build_index(
+        [str(source / s.name) for s in demo_shards],
+        tmp_path / "index",
+        IndexConfig(partitions=3, workers=1),
+        progress=False,
+    )
     return SampleIndex(tmp_path / "index"), source
 
 
@@ -151,8 +188,10 @@ def test_decoded_entries_give_the_feed_identical_batches_with_the_shards_moved_a
 ) -> None:
     index, source = local_index
     feed_yaml = tmp_path / "feed.yaml"
-    feed_yaml.write_text(f"plan: {{seed: 5, batch_size: 4}}\ndecode: {{image: {{resize: fixed, size: 48}}}}\n"
-                         f"cache: {{entries: decoded, nvme: {{path: '{tmp_path / 'nvme'}', capacity_bytes: {CAPACITY}}}}}\n")
+    feed_yaml.write_text(
+        f"plan: {{seed: 5, batch_size: 4}}\ndecode: {{image: {{resize: fixed, size: 48}}}}\n"
+        f"cache: {{entries: decoded, nvme: {{path: '{tmp_path / 'nvme'}', capacity_bytes: {CAPACITY}}}}}\n"
+    )
     config = FeedConfig.from_yaml(feed_yaml)
     with Feed(index, config.model_copy(update={"cache": CacheConfig()})) as reference:
         wanted = list(iter(reference))
@@ -192,7 +231,17 @@ def test_a_tier_too_small_for_the_data_is_reported_and_keeps_what_it_holds(
 ) -> None:
     index, source = local_index
     total = len(expected(index, source))
-    args = ["precache", str(index.path), "--cache", str(tmp_path / "small"), "--capacity", "1M", "--workers", "1", "--no-progress"]
+    args = [
+        "precache",
+        str(index.path),
+        "--cache",
+        str(tmp_path / "small"),
+        "--capacity",
+        "1M",
+        "--workers",
+        "1",
+        "--no-progress",
+    ]
     assert main(args) == 0
     first, err = capsys.readouterr()
     summary = json.loads(first)
@@ -210,21 +259,33 @@ def test_partition_bytes_sum_the_fields_the_feed_reads(http_index: SampleIndex) 
         assert partition_bytes(http_index, partition) == sum(f.size for s in samples for _, f in fields_to_decode(s))
 
 
-@pytest.mark.parametrize(("text", "value"), [("1000", 1000), ("64M", 64 * 2**20), ("2GiB", 2 * 2**30),
-                                             ("1.5G", 3 * 2**29), ("500GB", 500 * 10**9), ("7 k", 7 * 1024)])
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1000", 1000),
+        ("64M", 64 * 2**20),
+        ("2GiB", 2 * 2**30),
+        ("1.5G", 3 * 2**29),
+        ("500GB", 500 * 10**9),
+        ("7 k", 7 * 1024),
+    ],
+)
 def test_capacities_read_with_units(text: str, value: int) -> None:
     assert _parse_bytes(text) == value
 
 
-@pytest.mark.parametrize(("flags", "message"), [
-    (["--cache", "{tmp}/c", "--partitions", "1,5"], "5 is outside the index's 3 partitions (0-2)"),
-    (["--cache", "{tmp}/c", "--partitions", "a-b"], "give numbers and ranges"),
-    ([], "no cache directory: pass --cache DIR"),
-    (["--cache", "{tmp}/c", "--capacity", "lots"], "--capacity 'lots'"),
-    (["--cache", "{tmp}/c", "--decode", "--config", "{tmp}/raw.yaml"], "set cache.entries: decoded there"),
-    (["--cache", "{tmp}/c", "--ray", "some/dir"], "not a Ray address"),
-    (["--cache", "{tmp}/c", "--ray", "--workers", "2"], "--workers sets local processes"),
-])
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--cache", "{tmp}/c", "--partitions", "1,5"], "5 is outside the index's 3 partitions (0-2)"),
+        (["--cache", "{tmp}/c", "--partitions", "a-b"], "give numbers and ranges"),
+        ([], "no cache directory: pass --cache DIR"),
+        (["--cache", "{tmp}/c", "--capacity", "lots"], "--capacity 'lots'"),
+        (["--cache", "{tmp}/c", "--decode", "--config", "{tmp}/raw.yaml"], "set cache.entries: decoded there"),
+        (["--cache", "{tmp}/c", "--ray", "some/dir"], "not a Ray address"),
+        (["--cache", "{tmp}/c", "--ray", "--workers", "2"], "--workers sets local processes"),
+    ],
+)
 def test_bad_flags_exit_1_with_a_one_line_reason(
     http_index: SampleIndex, tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
 ) -> None:
@@ -235,7 +296,10 @@ def test_bad_flags_exit_1_with_a_one_line_reason(
 
 
 def test_ray_flags_without_ray_say_how_to_install_it(
-    http_index: SampleIndex, demo_shards: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    http_index: SampleIndex,
+    demo_shards: list[Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setitem(sys.modules, "ray", None)  # import ray fails as if not installed

@@ -51,8 +51,12 @@ def test_precache_on_ray_writes_the_entries_local_processes_write(
     cluster: str, index: SampleIndex, tmp_path: Path, entries: str
 ) -> None:
     def job(name: str) -> PrecacheJob:
-        return PrecacheJob(index=str(index.path), nvme=NvmeTierConfig(path=str(tmp_path / name), capacity_bytes=CAPACITY),
-                           entries=entries, decode=DecodeConfig(image=ImageDecodeConfig(resize="fixed", size=32)))
+        return PrecacheJob(
+            index=str(index.path),
+            nvme=NvmeTierConfig(path=str(tmp_path / name), capacity_bytes=CAPACITY),
+            entries=entries,
+            decode=DecodeConfig(image=ImageDecodeConfig(resize="fixed", size=32)),
+        )
 
     local = precache_local(job("local"), [0, 1, 2], workers=1, progress=False)
     on_ray = precache_on_ray(job("ray"), [0, 1, 2], progress=False)  # this process's connection
@@ -71,19 +75,24 @@ def test_index_on_ray_is_the_index_local_processes_build(cluster: str, demo_shar
         assert (tmp_path / "ray" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
     for p in range(3):
         assert pq.read_table(tmp_path / "ray" / f"part-{p:05d}.parquet").equals(
-            pq.read_table(tmp_path / "local" / f"part-{p:05d}.parquet"))
+            pq.read_table(tmp_path / "local" / f"part-{p:05d}.parquet")
+        )
     assert np.array_equal(np.load(tmp_path / "ray" / "by_shard.npy"), np.load(tmp_path / "local" / "by_shard.npy"))
 
 
-def test_the_commands_join_a_ray_cluster_by_address(cluster: str, demo_shards: list[Path], index: SampleIndex,
-                                                     tmp_path: Path) -> None:
+def test_the_commands_join_a_ray_cluster_by_address(
+    cluster: str, demo_shards: list[Path], index: SampleIndex, tmp_path: Path
+) -> None:
     def omnifeed(*args: str) -> dict:
-        result = subprocess.run([OMNIFEED, *args, "--no-progress", "--ray", cluster], capture_output=True, text=True,
-                                timeout=300)
+        result = subprocess.run(
+            [OMNIFEED, *args, "--no-progress", "--ray", cluster], capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 0, result.stderr
         return json.loads(result.stdout.splitlines()[-1])
 
-    built = omnifeed("index", *map(str, demo_shards), "--out", str(tmp_path / "index"), "--partitions", "3")
+    built = omnifeed("index", *map(str, demo_shards), "--out", str(tmp_path / "index"), "--partitions", "3", "--json")
     assert built["fingerprint"] == index.fingerprint
-    cached = omnifeed("precache", str(tmp_path / "index"), "--cache", str(tmp_path / "nvme"), "--capacity", str(CAPACITY))
+    cached = omnifeed(
+        "precache", str(tmp_path / "index"), "--cache", str(tmp_path / "nvme"), "--capacity", str(CAPACITY)
+    )
     assert cached["nodes"] == 1 and cached["failed"] == 0 and cached["cached"] == len(content(tmp_path / "nvme")) > 0

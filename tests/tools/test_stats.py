@@ -14,26 +14,77 @@ from omnifeed.tools._cli import main
 from omnifeed.tools._stats import limiting, render_stats, wait_share
 
 
-def snapshot(elapsed: float, *, waited: float, samples: int, image: dict[str, Any], remote_reads: int = 0,
-             remote_p95: float = 0.01, degraded: bool = False) -> dict[str, Any]:
+def snapshot(
+    elapsed: float,
+    *,
+    waited: float,
+    samples: int,
+    image: dict[str, Any],
+    remote_reads: int = 0,
+    remote_p95: float = 0.01,
+    degraded: bool = False,
+) -> dict[str, Any]:
     """Two clients that each waited ``waited`` seconds so far; one image modality as given."""
     return {
-        "service": {"uptime_s": elapsed + 1, "protocol": 1, "index_fingerprint": "fp", "clients": 2, "streams": 2,
-                    "segments": 1, "segment_bytes": 1 << 20},
-        "elapsed_s": elapsed, "batches": samples // 8, "samples": samples, "samples_per_s": samples / elapsed,
-        "bytes_read": 0, "consumer_wait_s": 2 * waited, "bad_samples": 0,
-        "modalities": {"image": {"decoded": samples, "decoded_per_s": samples / elapsed,
-                                 "decode_latency_s": {"p50": 0.03, "p90": 0.05, "p99": 0.08}, "bad": {}, **image},
-                       "text": {"buffer_samples": 500, "buffer_bytes": 9000, "queued": 0, "decoded": samples,
-                                "decode_latency_s": {"p50": 0.001, "p90": 0.001, "p99": 0.002}, "bad": {}}},
-        "cache": {"ram": {"hits": samples, "misses": samples, "bytes_hit": 1000, "bytes_used": 10,
-                          "capacity_bytes": 100},
-                  "remote": {"reads": remote_reads, "bytes": remote_reads * 1000, "errors": 0, "degraded": degraded,
-                             "latency_s": {"p50": remote_p95 / 2, "p95": remote_p95, "p99": remote_p95 * 2}}},
-        "storage_degraded": degraded, "read_ahead": 4 if degraded else 1,
-        "clients": [{"client": f"c{r}", "rank": r, "dp_rank": r, "dp_world_size": 2, "batches": samples // 16,
-                     "waited_s": waited, "last_wait_s": 0.1} for r in range(2)],
-        "resizes": 0, "resize_seconds": 0.0,
+        "service": {
+            "uptime_s": elapsed + 1,
+            "protocol": 1,
+            "index_fingerprint": "fp",
+            "clients": 2,
+            "streams": 2,
+            "segments": 1,
+            "segment_bytes": 1 << 20,
+        },
+        "elapsed_s": elapsed,
+        "batches": samples // 8,
+        "samples": samples,
+        "samples_per_s": samples / elapsed,
+        "bytes_read": 0,
+        "consumer_wait_s": 2 * waited,
+        "bad_samples": 0,
+        "modalities": {
+            "image": {
+                "decoded": samples,
+                "decoded_per_s": samples / elapsed,
+                "decode_latency_s": {"p50": 0.03, "p90": 0.05, "p99": 0.08},
+                "bad": {},
+                **image,
+            },
+            "text": {
+                "buffer_samples": 500,
+                "buffer_bytes": 9000,
+                "queued": 0,
+                "decoded": samples,
+                "decode_latency_s": {"p50": 0.001, "p90": 0.001, "p99": 0.002},
+                "bad": {},
+            },
+        },
+        "cache": {
+            "ram": {"hits": samples, "misses": samples, "bytes_hit": 1000, "bytes_used": 10, "capacity_bytes": 100},
+            "remote": {
+                "reads": remote_reads,
+                "bytes": remote_reads * 1000,
+                "errors": 0,
+                "degraded": degraded,
+                "latency_s": {"p50": remote_p95 / 2, "p95": remote_p95, "p99": remote_p95 * 2},
+            },
+        },
+        "storage_degraded": degraded,
+        "read_ahead": 4 if degraded else 1,
+        "clients": [
+            {
+                "client": f"c{r}",
+                "rank": r,
+                "dp_rank": r,
+                "dp_world_size": 2,
+                "batches": samples // 16,
+                "waited_s": waited,
+                "last_wait_s": 0.1,
+            }
+            for r in range(2)
+        ],
+        "resizes": 0,
+        "resize_seconds": 0.0,
     }
 
 
@@ -41,25 +92,35 @@ def test_decode_limited_names_the_modality_with_its_queue_and_empty_buffer() -> 
     before = snapshot(10, waited=1.0, samples=800, image={"buffer_samples": 0, "queued": 100})
     after = snapshot(20, waited=4.5, samples=1000, image={"buffer_samples": 0, "queued": 120})
     text = render_stats(after, before)
-    assert text.splitlines()[-1] == ("clients waited 35% of the last interval; "
-                                     "limiting: image decode (queue 120, buffer empty, p50 30 ms)")
+    assert text.splitlines()[-1] == (
+        "clients waited 35% of the last interval; limiting: image decode (queue 120, buffer empty, p50 30 ms)"
+    )
     assert wait_share(after, before) == pytest.approx(0.35)
 
 
 def test_storage_limited_names_the_remote_latency_and_degraded_flag() -> None:
     before = snapshot(10, waited=2.0, samples=400, image={"buffer_samples": 0, "queued": 0}, remote_reads=100)
-    after = snapshot(20, waited=7.0, samples=500, image={"buffer_samples": 0, "queued": 0}, remote_reads=200,
-                     remote_p95=0.42, degraded=True)
+    after = snapshot(
+        20,
+        waited=7.0,
+        samples=500,
+        image={"buffer_samples": 0, "queued": 0},
+        remote_reads=200,
+        remote_p95=0.42,
+        degraded=True,
+    )
     last = render_stats(after, before).splitlines()[-1]
     assert last.startswith("clients waited 50% of the last interval; limiting: storage (remote p95 420 ms")
     assert "degraded" in last and "image buffer empty" in last
 
 
 def test_idle_workers_with_origin_reads_are_storage_limited_even_when_not_degraded() -> None:
-    before = snapshot(10, waited=2.0, samples=400, image={"buffer_samples": 0, "queued": 1}, remote_reads=100,
-                      remote_p95=0.08)
-    after = snapshot(20, waited=7.0, samples=500, image={"buffer_samples": 0, "queued": 1}, remote_reads=200,
-                     remote_p95=0.08)  # reads (80 ms) slower than decoding (30 ms): the decoders wait for storage
+    before = snapshot(
+        10, waited=2.0, samples=400, image={"buffer_samples": 0, "queued": 1}, remote_reads=100, remote_p95=0.08
+    )
+    after = snapshot(
+        20, waited=7.0, samples=500, image={"buffer_samples": 0, "queued": 1}, remote_reads=200, remote_p95=0.08
+    )  # reads (80 ms) slower than decoding (30 ms): the decoders wait for storage
     assert "limiting: storage (remote p95 80 ms" in limiting(after, before)
 
 
@@ -73,8 +134,10 @@ def test_a_starved_modality_that_decodes_slower_than_it_reads_is_decode_limited(
 def test_clients_that_do_not_wait_make_the_trainer_the_bottleneck() -> None:
     before = snapshot(10, waited=0.1, samples=800, image={"buffer_samples": 0, "queued": 200}, degraded=True)
     after = snapshot(20, waited=0.3, samples=1800, image={"buffer_samples": 0, "queued": 200}, degraded=True)
-    assert render_stats(after, before).splitlines()[-1] == \
-        "clients do not wait (2% of the last interval): the trainer is the bottleneck"
+    assert (
+        render_stats(after, before).splitlines()[-1]
+        == "clients do not wait (2% of the last interval): the trainer is the bottleneck"
+    )
 
 
 def test_without_a_previous_snapshot_the_share_is_since_the_start() -> None:
@@ -112,16 +175,18 @@ def wire() -> types.ModuleType:
     return importlib.import_module("omnifeed.loader.service")
 
 
-def test_stats_without_a_service_exits_1_with_the_reason(wire: types.ModuleType, capsys: pytest.CaptureFixture[str],
-                                                        tmp_path: Any) -> None:
+def test_stats_without_a_service_exits_1_with_the_reason(
+    wire: types.ModuleType, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
     missing = tmp_path / "feed.sock"  # in a private directory: no service there, rather than an untrusted one
     assert main(["stats", "--socket", str(missing), "--once"]) == 1
     err = capsys.readouterr().err.strip()
     assert err == f"omnifeed: error: no omnifeed service at {missing}: start it with `omnifeed serve --config FILE`"
 
 
-def test_stats_once_prints_the_table_or_the_raw_snapshot(monkeypatch: pytest.MonkeyPatch, wire: types.ModuleType,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_stats_once_prints_the_table_or_the_raw_snapshot(
+    monkeypatch: pytest.MonkeyPatch, wire: types.ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
     now = snapshot(20, waited=10.0, samples=800, image={"buffer_samples": 0, "queued": 50})
     monkeypatch.setattr(wire, "request_metrics", lambda address, timeout=5.0: now)
     assert main(["stats", "--socket", "/run/omnifeed.sock", "--once"]) == 0
@@ -138,7 +203,12 @@ def test_stats_takes_the_socket_as_serve_does_and_the_old_address_flag(
     from omnifeed.loader.service._config import default_socket
 
     asked: list[str] = []
-    monkeypatch.setattr(wire, "request_metrics", lambda address, timeout=5.0: asked.append(address) or snapshot(
-        1, waited=0.0, samples=1, image={"buffer_samples": 0, "queued": 0}))
+    monkeypatch.setattr(
+        wire,
+        "request_metrics",
+        lambda address, timeout=5.0: (
+            asked.append(address) or snapshot(1, waited=0.0, samples=1, image={"buffer_samples": 0, "queued": 0})
+        ),
+    )
     assert main(["stats", *flags, "--once", "--json"]) == 0
     assert asked == [flags[1] if flags else default_socket()]

@@ -13,13 +13,23 @@ from omnifeed.trainer_adapter import FeedClient
 
 
 def _config(index_dir: Path, audit: Path) -> ServiceConfig:
-    return ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
-                         socket=str(audit.parent / "unused.sock"), audit_log=str(audit))
+    return ServiceConfig(
+        index=str(index_dir),
+        feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+        socket=str(audit.parent / "unused.sock"),
+        audit_log=str(audit),
+    )
 
 
 def _torchrun_env(monkeypatch: pytest.MonkeyPatch, rank: int, world: int, port: int) -> None:
-    for name, value in {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": rank, "TORCHELASTIC_RUN_ID": "job",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
+    for name, value in {
+        "RANK": rank,
+        "WORLD_SIZE": world,
+        "LOCAL_RANK": rank,
+        "TORCHELASTIC_RUN_ID": "job",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": port,
+    }.items():
         monkeypatch.setenv(name, str(value))
 
 
@@ -32,7 +42,8 @@ def _round(config: ServiceConfig, monkeypatch: pytest.MonkeyPatch, world: int, p
 
 
 def test_a_crash_after_uncommitted_steps_and_a_restart_at_another_size_verifies(
-        index_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    index_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     audit = tmp_path / "audit.jsonl"
     config = _config(index_dir, audit)
     first = _round(config, monkeypatch, world=2, port=29500)  # scale to 2 ranks, train 3 steps
@@ -62,7 +73,8 @@ def test_a_crash_after_uncommitted_steps_and_a_restart_at_another_size_verifies(
 
 
 def test_the_ranks_of_one_round_share_the_attempt_and_a_later_round_opens_another(
-        index_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    index_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     audit = tmp_path / "audit.jsonl"
     config = _config(index_dir, audit)
     first = _round(config, monkeypatch, world=2, port=29500)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from feed_service import ServiceProcess, short_socket_dir, write_config
+
 from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex, read_delivery_logs, verify_coverage
 from omnifeed.loader.service._config import ServiceConfig
-from omnifeed.loader.service._server import FeedService
 from omnifeed.loader.service._protocol import ServiceError, ServiceUnavailableError, request_metrics
+from omnifeed.loader.service._server import FeedService
 from omnifeed.trainer_adapter import FeedClient
 
 _CLIENT = """
@@ -98,8 +98,9 @@ def finished(process: subprocess.Popen[str]) -> list[dict]:
     return [json.loads(line) for line in out.splitlines()]
 
 
-def test_two_client_processes_deliver_an_epoch_exactly_once(own_service: ServiceProcess, index_dir: Path,
-                                                            tmp_path: Path) -> None:
+def test_two_client_processes_deliver_an_epoch_exactly_once(
+    own_service: ServiceProcess, index_dir: Path, tmp_path: Path
+) -> None:
     clients = [run_client(own_service.socket, rank, 2) for rank in range(2)]
     results = [finished(c) for c in clients]
     for rank, lines in enumerate(results):
@@ -130,7 +131,11 @@ def test_tensor_parallel_peers_get_identical_batches_read_and_decoded_once(index
     # and its pipeline's one step ahead (a second decode per peer would double the counts).
     ahead = 2 * 4
     for modality in ("image", "text", "audio", "video"):
-        assert once[modality]["decoded"] <= snapshot["modalities"][modality]["decoded"] <= once[modality]["decoded"] + ahead
+        assert (
+            once[modality]["decoded"]
+            <= snapshot["modalities"][modality]["decoded"]
+            <= once[modality]["decoded"] + ahead
+        )
 
 
 def test_the_service_killed_mid_epoch_costs_a_wait_not_a_sample(index_dir: Path, tmp_path: Path) -> None:
@@ -174,16 +179,34 @@ def test_a_saved_client_state_resumes_exactly_with_a_new_client(service: Service
 
 
 def test_len_is_the_batches_iteration_yields_from_here_through_the_service_and_in_process(
-        service: ServiceProcess, index_dir: Path) -> None:
+    service: ServiceProcess, index_dir: Path
+) -> None:
     expected = len(planned_keys(index_dir, 2, 1))
     config = ServiceConfig(index=str(index_dir), feed=feed_config(), socket=str(service.socket))
-    with FeedClient(str(service.socket), rank=1, world_size=2) as remote, \
-            FeedClient.in_process(config, rank=1, world_size=2) as local:
+    with (
+        FeedClient(str(service.socket), rank=1, world_size=2) as remote,
+        FeedClient.in_process(config, rank=1, world_size=2) as local,
+    ):
         assert len(remote) == len(local) == expected
         batches = iter(remote)
         next(batches), next(batches)
         assert len(remote) == expected - 2
         assert len(list(batches)) == expected - 2
+
+
+def test_asking_the_length_starts_no_production(own_service: ServiceProcess, index_dir: Path) -> None:
+    address = str(own_service.socket)
+
+    def decoded() -> int:
+        return sum(m["decoded"] for m in request_metrics(address)["modalities"].values())
+
+    with FeedClient(address, rank=0, world_size=2) as client:
+        assert len(client) == len(planned_keys(index_dir, 2, 0))
+        snapshot = request_metrics(address)
+        assert snapshot["service"]["streams"] == 0 and snapshot["service"]["clients"] == 0, snapshot["service"]
+        assert decoded() == 0, "len() made the service decode"
+        next(iter(client))  # the first batch is what opens the stream
+        assert request_metrics(address)["service"]["streams"] == 1 and decoded() > 0
 
 
 def test_a_killed_client_leaves_no_segment_and_no_descriptor_behind(service: ServiceProcess) -> None:
@@ -211,7 +234,9 @@ def test_a_killed_client_leaves_no_segment_and_no_descriptor_behind(service: Ser
     assert {n for n in set(os.listdir("/dev/shm")) - shm_before if "omnifeed" in n} == set()
 
 
-def test_a_client_of_another_dataset_is_refused_and_the_service_stays_up(service: ServiceProcess, index_dir: Path) -> None:
+def test_a_client_of_another_dataset_is_refused_and_the_service_stays_up(
+    service: ServiceProcess, index_dir: Path
+) -> None:
     with pytest.raises(ServiceError, match="index_fingerprint") as refused:
         FeedClient(str(service.socket), index_fingerprint="0" * 32).next_batch()
     assert refused.value.code == "fingerprint"
@@ -221,8 +246,10 @@ def test_a_client_of_another_dataset_is_refused_and_the_service_stays_up(service
 
 def test_in_process_client_gives_the_services_batches(service: ServiceProcess, index_dir: Path) -> None:
     config = ServiceConfig(index=str(index_dir), feed=feed_config(), socket=str(service.socket))
-    with FeedClient.in_process(config, rank=0, world_size=2) as local, \
-            FeedClient(str(service.socket), rank=0, world_size=2) as remote:
+    with (
+        FeedClient.in_process(config, rank=0, world_size=2) as local,
+        FeedClient(str(service.socket), rank=0, world_size=2) as remote,
+    ):
         for a, b in zip(local, remote):
             assert a["__key__"] == b["__key__"]
             for modality in ("image", "text", "audio", "video"):
@@ -258,8 +285,9 @@ def test_a_client_without_a_service_fails_soon_with_one_line_naming_the_path_and
 
 @pytest.mark.timeout(120)
 def test_a_busy_service_is_reported_as_busy(index_dir: Path) -> None:
-    config = ServiceConfig(index=str(index_dir), feed=feed_config(), socket=str(short_socket_dir() / "feed.sock"),
-                           max_clients=1)
+    config = ServiceConfig(
+        index=str(index_dir), feed=feed_config(), socket=str(short_socket_dir() / "feed.sock"), max_clients=1
+    )
     with FeedService(config) as running, FeedClient(running.address) as holder:
         assert holder.next_batch()["__key__"]  # holds the one connection served
         with pytest.raises(ServiceUnavailableError) as refused:

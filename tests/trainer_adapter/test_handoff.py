@@ -47,15 +47,25 @@ class FakeService:
         index[...] = np.arange(rows)
         gain = writer.alloc((rows,), np.dtype(np.float32))
         gain[...] = fill
-        batch = {"__key__": [f"k{fill}-{i}" for i in range(rows)], "__info__": {"step": fill},
-                 "image": {"pixels": pixels, "index": index}, "meta": {"gain": gain}, **(extra or {})}
+        batch = {
+            "__key__": [f"k{fill}-{i}" for i in range(rows)],
+            "__info__": {"step": fill},
+            "image": {"pixels": pixels, "index": index},
+            "meta": {"gain": gain},
+            **(extra or {}),
+        }
         layout, rest = encode_batch(batch, segment)
         self.seq += 1
         name = (segment.slot, segment.generation)
         fds = [segment.fd] if slot < 0 or name not in self.sent else []
         self.sent.add(name)
-        send_frame(self.sock, encode({"op": "batch", "seq": self.seq, "segment": segment.name, "layout": layout,
-                                      "batch": rest, "state": {}}), fds)
+        send_frame(
+            self.sock,
+            encode(
+                {"op": "batch", "seq": self.seq, "segment": segment.name, "layout": layout, "batch": rest, "state": {}}
+            ),
+            fds,
+        )
         if slot < 0:
             segment.close()
         return self.seq

@@ -9,18 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from feed_service import short_socket_dir
+
 from omnifeed.loader import FeedConfig, FeedError, PlanConfig, SampleIndex, read_delivery_logs, verify_coverage
-from omnifeed.loader.service._server import FeedService
 from omnifeed.loader.service._config import ServiceConfig
 from omnifeed.loader.service._protocol import ServiceError
+from omnifeed.loader.service._server import FeedService
 from omnifeed.trainer_adapter import FeedClient, scale_learning_rate, topology_hints
 
 
 def service_config(index_dir: Path, audit: Path, batch_size: int = 2) -> ServiceConfig:
-    return ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=5, batch_size=batch_size)),
-                         socket=str(short_socket_dir() / "feed.sock"), audit_log=str(audit), stream_idle_s=60)
+    return ServiceConfig(
+        index=str(index_dir),
+        feed=FeedConfig(plan=PlanConfig(seed=5, batch_size=batch_size)),
+        socket=str(short_socket_dir() / "feed.sock"),
+        audit_log=str(audit),
+        stream_idle_s=60,
+    )
 
 
 def step(clients: list[FeedClient]) -> None:
@@ -38,15 +43,20 @@ def finish_epoch(clients: list[FeedClient]) -> None:
 
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["service", "in-process"])
-def test_two_to_one_to_three_ranks_deliver_the_epoch_exactly_once(index_dir: Path, tmp_path: Path, in_process: bool) -> None:
+def test_two_to_one_to_three_ranks_deliver_the_epoch_exactly_once(
+    index_dir: Path, tmp_path: Path, in_process: bool
+) -> None:
     audit = tmp_path / "audit.jsonl"
     config = service_config(index_dir, audit)
     service = None if in_process else FeedService(config)
 
     def client(rank: int, world: int) -> FeedClient:
         if in_process:
-            return FeedClient.in_process(config.model_copy(update={"audit_log": str(tmp_path / f"audit-{rank}-{world}.jsonl")}),
-                                         rank=rank, world_size=world)
+            return FeedClient.in_process(
+                config.model_copy(update={"audit_log": str(tmp_path / f"audit-{rank}-{world}.jsonl")}),
+                rank=rank,
+                world_size=world,
+            )
         return FeedClient(config.socket, rank=rank, world_size=world)
 
     if service is not None:
@@ -118,7 +128,9 @@ def test_a_resize_in_the_middle_of_a_step_is_refused(index_dir: Path, tmp_path: 
         assert client.resize(2, 0).keep_global_batch_grad_accum == 1
 
 
-def test_a_state_of_another_batching_config_is_refused_naming_both_fingerprints(index_dir: Path, tmp_path: Path) -> None:
+def test_a_state_of_another_batching_config_is_refused_naming_both_fingerprints(
+    index_dir: Path, tmp_path: Path
+) -> None:
     config = service_config(index_dir, tmp_path / "audit.jsonl")
     other = FeedClient.in_process(service_config(index_dir, tmp_path / "other.jsonl", batch_size=3))
     foreign = other.state_dict()
@@ -132,13 +144,28 @@ def test_a_state_of_another_batching_config_is_refused_naming_both_fingerprints(
 
 @pytest.mark.parametrize(("rule", "scale"), [("linear", 1.5), ("sqrt", math.sqrt(1.5)), ("none", 1.0)])
 def test_hints_scale_the_learning_rate_by_the_rule(rule: str, scale: float) -> None:
-    hints = topology_hints(world_size=6, previous_world_size=4, grad_accum=1, previous_grad_accum=1, topology_version=3,
-                           micro_batch_samples=8, micro_batch_cost=None, lr_rule=rule)  # type: ignore[arg-type]
+    hints = topology_hints(
+        world_size=6,
+        previous_world_size=4,
+        grad_accum=1,
+        previous_grad_accum=1,
+        topology_version=3,
+        micro_batch_samples=8,
+        micro_batch_cost=None,
+        lr_rule=rule,
+    )  # type: ignore[arg-type]
     assert hints.lr_scale == pytest.approx(scale)
     assert hints.global_batch_samples == 48 and hints.global_batch_cost is None
     assert hints.keep_global_batch_grad_accum is None  # 4 ranks' batch is not a whole number of 6-rank steps
-    budget = topology_hints(world_size=2, previous_world_size=8, grad_accum=1, previous_grad_accum=1, topology_version=1,
-                            micro_batch_samples=None, micro_batch_cost=4096.0)
+    budget = topology_hints(
+        world_size=2,
+        previous_world_size=8,
+        grad_accum=1,
+        previous_grad_accum=1,
+        topology_version=1,
+        micro_batch_samples=None,
+        micro_batch_cost=4096.0,
+    )
     assert budget.keep_global_batch_grad_accum == 4 and budget.global_batch_cost == 8192.0
     assert budget.global_batch_samples is None
 

@@ -7,9 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from feed_service import short_socket_dir, start_service
+
 from omnifeed.loader import SampleIndex, read_delivery_logs, verify_coverage
 from omnifeed.trainer_adapter import FeedClient
 
@@ -34,8 +33,12 @@ def test_two_restarts_from_the_same_checkpoint_verify_exactly_once(index_dir: Pa
             batches = iter(first)
             next(batches), next(batches)
             checkpoint = first.state_dict()
-        crashed = subprocess.run([sys.executable, "-c", _CRASHING_RANK, str(socket), json.dumps(checkpoint)],
-                                 capture_output=True, text=True, timeout=120)
+        crashed = subprocess.run(
+            [sys.executable, "-c", _CRASHING_RANK, str(socket), json.dumps(checkpoint)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert crashed.returncode == -9, crashed.stderr  # restart 1 from the checkpoint, killed before the next one
         with FeedClient(str(socket)) as final:  # restart 2 from the same checkpoint, to the end of the epoch
             final.load_state_dict(checkpoint)
@@ -60,13 +63,15 @@ sys.stdin.read()
 
 
 def test_a_rank_killed_right_after_the_checkpoint_that_commits_its_step_leaves_nothing_missing(
-        index_dir: Path, tmp_path: Path) -> None:
+    index_dir: Path, tmp_path: Path
+) -> None:
     socket = short_socket_dir() / "feed.sock"
     audit = tmp_path / "audit.jsonl"
     service = start_service(index_dir, socket, audit)
     try:
-        rank_one = subprocess.Popen([sys.executable, "-c", _RANK_ONE, str(socket)], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, text=True)
+        rank_one = subprocess.Popen(
+            [sys.executable, "-c", _RANK_ONE, str(socket)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         with FeedClient(str(socket), rank=0, world_size=2) as rank_zero:
             batches = iter(rank_zero)
             next(batches), next(batches)

@@ -9,17 +9,32 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from feed_service import ServiceProcess, short_socket_dir, write_config
+
 from omnifeed.loader import SampleIndex, read_delivery_logs, verify_coverage
 
 pytestmark = pytest.mark.slow
 
 
 def torchrun(workers: int, address: Path, checkpoint: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
-               "--max-restarts=0", "-m", "omnifeed.trainer_adapter._toy_trainer", "--torchrun",
-               "--address", str(address), "--checkpoint", str(checkpoint), "--save-every", "2", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={workers}",
+        "--max-restarts=0",
+        "-m",
+        "omnifeed.trainer_adapter",
+        "--torchrun",
+        "--address",
+        str(address),
+        "--checkpoint",
+        str(checkpoint),
+        "--save-every",
+        "2",
+        *extra,
+    ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=environment)
 
@@ -36,11 +51,14 @@ def summaries(run: subprocess.CompletedProcess[str]) -> list[dict]:
 
 
 def test_a_killed_worker_then_a_smaller_then_a_larger_job_deliver_the_epoch_exactly_once(
-        index_dir: Path, tmp_path: Path) -> None:
+    index_dir: Path, tmp_path: Path
+) -> None:
     socket = short_socket_dir() / "feed.sock"
     audit = tmp_path / "audit.jsonl"
-    service = ServiceProcess(write_config(tmp_path, index_dir, socket=socket, audit_log=audit,
-                                          feed={"plan": {"seed": 7, "batch_size": 2}}), socket).start()
+    service = ServiceProcess(
+        write_config(tmp_path, index_dir, socket=socket, audit_log=audit, feed={"plan": {"seed": 7, "batch_size": 2}}),
+        socket,
+    ).start()
     checkpoint = tmp_path / "checkpoint.pt"
     try:
         crashed = torchrun(2, socket, checkpoint, "--kill-at-step", "5", "--kill-rank", "1")

@@ -138,19 +138,29 @@ def consume(loader: Any) -> list[Any]:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_map_style_batches_in_order_with_drop_last(Loader: Any, num_workers: int) -> None:
     assert ids(Loader(Squares(), batch_size=3, num_workers=num_workers)) == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
-    assert ids(Loader(Squares(), batch_size=3, drop_last=True, num_workers=num_workers)) == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert ids(Loader(Squares(), batch_size=3, drop_last=True, num_workers=num_workers)) == [
+        [0, 1, 2],
+        [3, 4, 5],
+        [6, 7, 8],
+    ]
 
 
 @pytest.mark.parametrize("Loader", LOADERS)
 def test_default_collate_and_convert_give_torch_types(Loader: Any) -> None:
     batch = next(iter(Loader(Squares(), batch_size=2)))
     assert plain(batch) == {
-        "x": ("tensor", "torch.int64", [[0, 0], [1, 1]]), "i": ("tensor", "torch.int64", [0, 1]),
-        "name": ("list", ["s0", "s1"]), "a": ("tensor", "torch.float32", [[0.0, 0.0], [1.0, 1.0]]),
+        "x": ("tensor", "torch.int64", [[0, 0], [1, 1]]),
+        "i": ("tensor", "torch.int64", [0, 1]),
+        "name": ("list", ["s0", "s1"]),
+        "a": ("tensor", "torch.float32", [[0.0, 0.0], [1.0, 1.0]]),
     }
     item = next(iter(Loader(Squares(), batch_size=None)))
-    assert plain(item) == {"x": ("tensor", "torch.int64", [0, 0]), "i": 0, "name": "s0",
-                           "a": ("tensor", "torch.float32", [0.0, 0.0])}
+    assert plain(item) == {
+        "x": ("tensor", "torch.int64", [0, 0]),
+        "i": 0,
+        "name": "s0",
+        "a": ("tensor", "torch.float32", [0.0, 0.0]),
+    }
 
 
 @pytest.mark.parametrize("Loader", LOADERS)
@@ -233,8 +243,9 @@ INVALID: list[tuple[dict[str, Any], type[Exception], str]] = [
 
 @pytest.mark.parametrize("Loader", LOADERS)
 @pytest.mark.parametrize(("kwargs", "error", "message"), INVALID)
-def test_invalid_combinations_raise_torchs_errors(Loader: Any, kwargs: dict[str, Any], error: type[Exception],
-                                                 message: str) -> None:
+def test_invalid_combinations_raise_torchs_errors(
+    Loader: Any, kwargs: dict[str, Any], error: type[Exception], message: str
+) -> None:
     with pytest.raises(error, match=message):
         Loader(Squares(), **kwargs)
 
@@ -247,7 +258,9 @@ def test_iterable_datasets_refuse_shuffle_and_samplers(Loader: Any, kwargs: dict
 
 
 @pytest.mark.parametrize("Loader", LOADERS)
-@pytest.mark.parametrize("name", ["batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"])
+@pytest.mark.parametrize(
+    "name", ["batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers"]
+)
 def test_frozen_attributes_refuse_reassignment(Loader: Any, name: str) -> None:
     loader = Loader(Squares(), batch_size=2)
     with pytest.raises(ValueError, match=f"{name} attribute should not be set after DataLoader is initialized"):
@@ -258,13 +271,27 @@ def test_frozen_attributes_refuse_reassignment(Loader: Any, name: str) -> None:
 @pytest.mark.parametrize("Loader", LOADERS)
 def test_public_attributes(Loader: Any) -> None:
     generator = torch.Generator()
-    loader = Loader(Squares(), batch_size=4, shuffle=True, num_workers=2, generator=generator, timeout=3,
-                    persistent_workers=True, in_order=False, worker_init_fn=print)
+    loader = Loader(
+        Squares(),
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        generator=generator,
+        timeout=3,
+        persistent_workers=True,
+        in_order=False,
+        worker_init_fn=print,
+    )
     assert (loader.batch_size, loader.drop_last, loader.num_workers, loader.prefetch_factor) == (4, False, 2, 2)
     assert isinstance(loader.sampler, tud.RandomSampler) and loader.sampler.generator is generator
     assert isinstance(loader.batch_sampler, tud.BatchSampler) and loader.batch_sampler.batch_size == 4
     assert loader.collate_fn is tud.default_collate and loader.generator is generator
-    assert (loader.timeout, loader.persistent_workers, loader.in_order, loader.worker_init_fn) == (3, True, False, print)
+    assert (loader.timeout, loader.persistent_workers, loader.in_order, loader.worker_init_fn) == (
+        3,
+        True,
+        False,
+        print,
+    )
     assert loader.multiprocessing_context is None and loader.pin_memory is False and isinstance(loader.dataset, Squares)
     assert Loader(Squares(), batch_size=None).collate_fn is tud.default_convert
 
@@ -408,8 +435,9 @@ print([batch.tolist() for batch in loader])
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_workers_start_in_a_process_whose_multiprocessing_heap_an_interrupt_broke(context: str) -> None:
     """Ctrl-C (or a late SIGCHLD error) inside multiprocessing's shared heap breaks RawArray for good; loaders still start."""
-    run = subprocess.run([sys.executable, "-c", _AFTER_A_BROKEN_HEAP, context], capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", _AFTER_A_BROKEN_HEAP, context], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == "[[0, 1], [2, 3], [4, 5], [6, 7]]"
 

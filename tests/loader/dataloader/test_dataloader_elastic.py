@@ -34,8 +34,15 @@ class Numbers(Dataset):
 
 
 def loader(n: int, world_size: int, rank: int, **options: Any) -> DataLoader[Any]:
-    return DataLoader(Numbers(n), batch_size=options.pop("batch_size", 4), shuffle=options.pop("shuffle", True),
-                      world_size=world_size, rank=rank, shuffle_seed=options.pop("shuffle_seed", 9), **options)
+    return DataLoader(
+        Numbers(n),
+        batch_size=options.pop("batch_size", 4),
+        shuffle=options.pop("shuffle", True),
+        world_size=world_size,
+        rank=rank,
+        shuffle_seed=options.pop("shuffle_seed", 9),
+        **options,
+    )
 
 
 def run_ranks(n: int, schedule: dict[int, int], *, steps: int, num_workers: int = 0, **options: Any) -> list[list[int]]:
@@ -69,7 +76,7 @@ def run_ranks(n: int, schedule: dict[int, int], *, steps: int, num_workers: int 
 
 def assert_exactly_once_per_epoch(sequence: list[list[int]], n: int, per_epoch: int) -> None:
     for epoch in range(len(sequence) // per_epoch):
-        seen = Counter(i for batch in sequence[epoch * per_epoch:(epoch + 1) * per_epoch] for i in batch)
+        seen = Counter(i for batch in sequence[epoch * per_epoch : (epoch + 1) * per_epoch] for i in batch)
         assert sorted(seen) == list(range(n)) and set(seen.values()) == {1}, f"epoch {epoch}"
 
 
@@ -82,14 +89,14 @@ def test_ranks_share_out_each_epoch_exactly_once() -> None:
 def test_resizes_mid_epoch_keep_exactly_once_and_the_global_order() -> None:
     reference = run_ranks(30, {0: 1}, steps=40)  # 8 micro-batches (the last one short) per epoch
     resized = run_ranks(30, {0: 4, 1: 3, 3: 5, 5: 2, 7: 1}, steps=10)
-    assert resized == reference[:len(resized)]
+    assert resized == reference[: len(resized)]
     assert_exactly_once_per_epoch(resized, 30, per_epoch=8)
 
 
 def test_resize_mid_loop_with_workers_drops_prefetched_batches() -> None:
     reference = run_ranks(40, {0: 1}, steps=20)
     with_workers = run_ranks(40, {0: 2, 2: 1, 4: 3}, steps=7, num_workers=2)
-    assert with_workers == reference[:len(with_workers)]
+    assert with_workers == reference[: len(with_workers)]
 
 
 def test_len_is_this_ranks_batches_and_follows_resizes() -> None:
@@ -161,8 +168,12 @@ def test_worker_seeding_and_random_streams_stay_torchs() -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(5, 40), batch_size=st.integers(1, 6),
-       worlds=st.lists(st.integers(1, 5), min_size=1, max_size=4), gap=st.integers(1, 4))
+@given(
+    n=st.integers(5, 40),
+    batch_size=st.integers(1, 6),
+    worlds=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    gap=st.integers(1, 4),
+)
 def test_any_resizes_deliver_the_same_global_sequence(n: int, batch_size: int, worlds: list[int], gap: int) -> None:
     schedule = {i * gap: w for i, w in enumerate(worlds)}
     steps = gap * len(worlds) + 2

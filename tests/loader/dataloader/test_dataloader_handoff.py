@@ -53,8 +53,14 @@ def test_slots_are_reused_once_their_batch_is_gone() -> None:
 def test_numpy_arrays_strings_and_repeated_tensors_arrive_intact() -> None:
     def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
         pictures = torch.stack([it["picture"] for it in items])
-        return {"pictures": pictures, "again": pictures, "array": np.stack([it["picture"].numpy() for it in items]),
-                "names": [it["name"] for it in items], "empty": torch.empty(0, 3), "scalar": torch.tensor(2.5)}
+        return {
+            "pictures": pictures,
+            "again": pictures,
+            "array": np.stack([it["picture"].numpy() for it in items]),
+            "names": [it["name"] for it in items],
+            "empty": torch.empty(0, 3),
+            "scalar": torch.tensor(2.5),
+        }
 
     batch = next(iter(DataLoader(Pictures(), batch_size=3, num_workers=1, collate_fn=collate)))
     assert batch["pictures"] is batch["again"] and batch["names"] == ["p0", "p1", "p2"]
@@ -64,8 +70,11 @@ def test_numpy_arrays_strings_and_repeated_tensors_arrive_intact() -> None:
 
 
 def worker_processes() -> list[psutil.Process]:
-    return [p for p in psutil.Process().children(recursive=True)
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "forkserver" not in " ".join(p.cmdline())]
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.is_running() and p.status() != psutil.STATUS_ZOMBIE and "forkserver" not in " ".join(p.cmdline())
+    ]
 
 
 def shared_memory_files() -> set[str]:

@@ -109,7 +109,7 @@ class Stride(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         order = list(range(0, self.n, 2)) + list(range(1, self.n, 2))
         self.done, self.resume_at = self.resume_at, 0
-        for i in order[self.done:]:
+        for i in order[self.done :]:
             self.done += 1
             yield i
 
@@ -144,8 +144,14 @@ def values(batch: Any) -> Any:
     return batch
 
 
-def assert_resumes_everywhere(make: Callable[[], DataLoader[Any]], *, seed: int = 0, points: list[int] | None = None,
-                              restore_rng: bool = True, through_json: bool = True) -> None:
+def assert_resumes_everywhere(
+    make: Callable[[], DataLoader[Any]],
+    *,
+    seed: int = 0,
+    points: list[int] | None = None,
+    restore_rng: bool = True,
+    through_json: bool = True,
+) -> None:
     """For each stop point: the batches before it, then those of a new loader loaded with the state (through
     JSON unless the sampler's state is not JSON), equal one uninterrupted epoch. The resumed run restores the global RNG saved with the checkpoint, as
     a training script does (a state saved before the epoch's first batch leaves the shuffle seed to be drawn
@@ -169,8 +175,9 @@ def assert_resumes_everywhere(make: Callable[[], DataLoader[Any]], *, seed: int 
         assert head + [values(b) for b in resumed] == expected, f"resumed after {stop} batches"
 
 
-def assert_resumes_across_epochs(make: Callable[[], DataLoader[Any]], points: list[tuple[int, int | None]],
-                                 *, epochs: int = 2, seed: int = 0) -> None:
+def assert_resumes_across_epochs(
+    make: Callable[[], DataLoader[Any]], points: list[tuple[int, int | None]], *, epochs: int = 2, seed: int = 0
+) -> None:
     """For each point ``(epoch, stop)``, ``stop`` batches into ``epoch`` (None: after its StopIteration), the
     batches before it and those of a new loader loaded with the state (and the global RNG saved with it) equal
     ``epochs`` uninterrupted epochs."""
@@ -208,7 +215,7 @@ class Rewinding(IterableDataset):
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         items = list(range(worker, 11, workers))
-        items = items[self.epoch % len(items):] + items[:self.epoch % len(items)]
+        items = items[self.epoch % len(items) :] + items[: self.epoch % len(items)]
         while self.position < len(items):
             self.position += 1
             yield 100 * self.epoch + items[self.position - 1]
@@ -222,12 +229,16 @@ class Rewinding(IterableDataset):
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize("options", [{}, {"shuffle": True}, {"shuffle": True, "drop_last": True}],
-                         ids=["sequential", "shuffle", "shuffle-drop-last"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"shuffle": True}, {"shuffle": True, "drop_last": True}],
+    ids=["sequential", "shuffle", "shuffle-drop-last"],
+)
 def test_map_style_resumes_exactly(num_workers: int, options: dict[str, Any]) -> None:
     points = None if num_workers == 0 else [0, 1, 3, 5]
-    assert_resumes_everywhere(lambda: DataLoader(Numbers(), batch_size=2, num_workers=num_workers, **options),
-                              points=points)
+    assert_resumes_everywhere(
+        lambda: DataLoader(Numbers(), batch_size=2, num_workers=num_workers, **options), points=points
+    )
 
 
 def test_unbatched_shuffle_resumes_exactly() -> None:
@@ -236,40 +247,55 @@ def test_unbatched_shuffle_resumes_exactly() -> None:
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_mid_epoch_resume_needs_no_global_rng(num_workers: int) -> None:
-    assert_resumes_everywhere(lambda: DataLoader(Numbers(), batch_size=2, shuffle=True, num_workers=num_workers),
-                              points=[1, 4], restore_rng=False)
-    assert_resumes_everywhere(lambda: DataLoader(Numbers(), batch_size=4, sampler=LazyRandom(11), num_workers=num_workers),
-                              points=[1], restore_rng=False)
+    assert_resumes_everywhere(
+        lambda: DataLoader(Numbers(), batch_size=2, shuffle=True, num_workers=num_workers),
+        points=[1, 4],
+        restore_rng=False,
+    )
+    assert_resumes_everywhere(
+        lambda: DataLoader(Numbers(), batch_size=4, sampler=LazyRandom(11), num_workers=num_workers),
+        points=[1],
+        restore_rng=False,
+    )
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_shuffle_with_a_generator_resumes_exactly(num_workers: int) -> None:
     def make() -> DataLoader[Any]:
-        return DataLoader(Numbers(), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5),
-                          num_workers=num_workers)
+        return DataLoader(
+            Numbers(), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5), num_workers=num_workers
+        )
 
     assert_resumes_everywhere(make, points=None if num_workers == 0 else [0, 2])
 
 
-@pytest.mark.parametrize("make_sampler", [
-    lambda: SubsetRandomSampler(range(1, 10)),
-    lambda: WeightedRandomSampler([1.0] * 11, num_samples=11),
-    lambda: RandomSampler(range(11), replacement=True, num_samples=40),
-    lambda: LazyRandom(11),
-], ids=["subset", "weighted", "replacement", "custom"])
+@pytest.mark.parametrize(
+    "make_sampler",
+    [
+        lambda: SubsetRandomSampler(range(1, 10)),
+        lambda: WeightedRandomSampler([1.0] * 11, num_samples=11),
+        lambda: RandomSampler(range(11), replacement=True, num_samples=40),
+        lambda: LazyRandom(11),
+    ],
+    ids=["subset", "weighted", "replacement", "custom"],
+)
 def test_random_samplers_replay_their_epoch(make_sampler: Callable[[], Sampler[int]]) -> None:
     assert_resumes_everywhere(lambda: DataLoader(Numbers(), batch_size=4, sampler=make_sampler()))
-    assert_resumes_everywhere(lambda: DataLoader(Numbers(), batch_size=4, sampler=make_sampler()), points=[1, 2],
-                              restore_rng=False)
+    assert_resumes_everywhere(
+        lambda: DataLoader(Numbers(), batch_size=4, sampler=make_sampler()), points=[1, 2], restore_rng=False
+    )
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_stateful_sampler_and_batch_sampler_resume_from_their_state(num_workers: int) -> None:
     points = None if num_workers == 0 else [0, 2, 4]
-    assert_resumes_everywhere(lambda: DataLoader(Numbers(), batch_size=2, sampler=Stride(11), num_workers=num_workers),
-                              points=points)
-    assert_resumes_everywhere(lambda: DataLoader(Numbers(), batch_sampler=BatchSampler(Stride(11), 3, False),
-                                                 num_workers=num_workers), points=points)
+    assert_resumes_everywhere(
+        lambda: DataLoader(Numbers(), batch_size=2, sampler=Stride(11), num_workers=num_workers), points=points
+    )
+    assert_resumes_everywhere(
+        lambda: DataLoader(Numbers(), batch_sampler=BatchSampler(Stride(11), 3, False), num_workers=num_workers),
+        points=points,
+    )
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -279,7 +305,9 @@ def test_stateful_iterable_resumes_from_each_workers_state(num_workers: int) -> 
 
 
 def test_iterable_workers_ending_unevenly_resume_in_rotation() -> None:
-    assert_resumes_everywhere(lambda: DataLoader(Counter(n=20, stop=4), batch_size=2, num_workers=2), points=[1, 2, 3, 5])
+    assert_resumes_everywhere(
+        lambda: DataLoader(Counter(n=20, stop=4), batch_size=2, num_workers=2), points=[1, 2, 3, 5]
+    )
 
 
 def test_iterator_state_resumes() -> None:
@@ -320,8 +348,9 @@ def test_persistent_workers_resume_and_continue_with_later_epochs() -> None:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_state_between_epochs_continues_the_loaders_generator(num_workers: int) -> None:
     def make() -> DataLoader[Any]:
-        return DataLoader(Numbers(), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(4),
-                          num_workers=num_workers)
+        return DataLoader(
+            Numbers(), batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(4), num_workers=num_workers
+        )
 
     assert_resumes_across_epochs(make, [(0, None), (1, 0)], epochs=3)
 
@@ -343,21 +372,30 @@ def test_a_generator_reseeded_after_loading_a_state_between_epochs_takes_effect(
 @pytest.mark.parametrize("generator", [False, True], ids=["global-rng", "generator"])
 def test_persistent_workers_resume_between_and_inside_later_epochs(generator: bool) -> None:
     def make() -> DataLoader[Any]:  # Seeds: the worker seeds must stay the first epoch's
-        return DataLoader(Seeds(), batch_size=3, shuffle=True, num_workers=2, persistent_workers=True,
-                          generator=torch.Generator().manual_seed(4) if generator else None)
+        return DataLoader(
+            Seeds(),
+            batch_size=3,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=True,
+            generator=torch.Generator().manual_seed(4) if generator else None,
+        )
 
     assert_resumes_across_epochs(make, [(0, None), (1, 2)], epochs=3)
 
 
 def test_fixed_order_with_a_generator_seeds_later_epochs_as_uninterrupted() -> None:
     assert_resumes_across_epochs(
-        lambda: DataLoader(Seeds(), batch_size=3, num_workers=2, generator=torch.Generator().manual_seed(4)), [(0, 2)])
+        lambda: DataLoader(Seeds(), batch_size=3, num_workers=2, generator=torch.Generator().manual_seed(4)), [(0, 2)]
+    )
 
 
-@pytest.mark.parametrize("make_sampler", [lambda: WeightedRandomSampler([1.0] * 11, 11), lambda: LazyRandom(11)],
-                         ids=["weighted", "custom"])
+@pytest.mark.parametrize(
+    "make_sampler", [lambda: WeightedRandomSampler([1.0] * 11, 11), lambda: LazyRandom(11)], ids=["weighted", "custom"]
+)
 def test_a_state_before_the_first_batch_leaves_the_global_rng_as_uninterrupted(
-        make_sampler: Callable[[], Sampler[int]]) -> None:
+    make_sampler: Callable[[], Sampler[int]],
+) -> None:
     assert_resumes_across_epochs(lambda: DataLoader(Numbers(), batch_size=4, sampler=make_sampler()), [(0, 0), (1, 0)])
 
 
@@ -455,6 +493,7 @@ def test_map_style_state_resumes_with_another_number_of_workers() -> None:
 
 def test_torchdata_code_runs_unchanged() -> None:
     stateful = pytest.importorskip("torchdata.stateful_dataloader.sampler")
+
     def make() -> DataLoader[Any]:
         sampler = stateful.RandomSampler(Numbers(), generator=torch.Generator().manual_seed(2))
         return DataLoader(Numbers(), batch_sampler=stateful.BatchSampler(sampler, 3, False), snapshot_every_n_steps=4)
@@ -463,10 +502,17 @@ def test_torchdata_code_runs_unchanged() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(1, 30), batch_size=st.integers(1, 7), drop_last=st.booleans(), shuffle=st.booleans(),
-       stop=st.integers(0, 40), seed=st.integers(0, 2**32))
-def test_resume_anywhere_equals_uninterrupted(n: int, batch_size: int, drop_last: bool, shuffle: bool, stop: int,
-                                              seed: int) -> None:
+@given(
+    n=st.integers(1, 30),
+    batch_size=st.integers(1, 7),
+    drop_last=st.booleans(),
+    shuffle=st.booleans(),
+    stop=st.integers(0, 40),
+    seed=st.integers(0, 2**32),
+)
+def test_resume_anywhere_equals_uninterrupted(
+    n: int, batch_size: int, drop_last: bool, shuffle: bool, stop: int, seed: int
+) -> None:
     def make() -> DataLoader[Any]:
         return DataLoader(Numbers(n), batch_size=batch_size, drop_last=drop_last, shuffle=shuffle)
 
@@ -480,7 +526,9 @@ def test_a_resume_leaves_the_loaders_generator_as_the_uninterrupted_run_does(sam
         generator = torch.Generator().manual_seed(4)
         if sampler == "shuffle":
             return DataLoader(Numbers(), batch_size=3, shuffle=True, generator=generator)
-        return DataLoader(Numbers(), batch_size=3, sampler=SubsetRandomSampler(range(11), generator), generator=generator)
+        return DataLoader(
+            Numbers(), batch_size=3, sampler=SubsetRandomSampler(range(11), generator), generator=generator
+        )
 
     uninterrupted = make()
     epochs = [[b.tolist() for b in uninterrupted] for _ in range(3)]

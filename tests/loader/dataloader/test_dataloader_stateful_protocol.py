@@ -203,7 +203,7 @@ def test_a_live_state_dict_taken_after_each_batch_resumes_exactly_with_workers()
     for step, state in enumerate(states):
         resumed = make()
         resumed.load_state_dict(state)
-        assert [b.tolist() for b in resumed] == batches[step + 1:], f"resumed after batch {step}"
+        assert [b.tolist() for b in resumed] == batches[step + 1 :], f"resumed after batch {step}"
 
 
 class RandomDraws(IterableDataset):

@@ -76,8 +76,13 @@ MAP_CONFIGS = {
     "shuffle-unbatched": {"batch_size": None, "shuffle": True},
     "workers": {"batch_size": 4, "num_workers": 2},
     "workers-shuffle": {"batch_size": 4, "shuffle": True, "num_workers": 2, "drop_last": True},
-    "workers-shuffle-generator-every-3": {"batch_size": 4, "shuffle": True, "num_workers": 2, "generator": 3,
-                                          "snapshot_every_n_steps": 3},
+    "workers-shuffle-generator-every-3": {
+        "batch_size": 4,
+        "shuffle": True,
+        "num_workers": 2,
+        "generator": 3,
+        "snapshot_every_n_steps": 3,
+    },
     "persistent-shuffle": {"batch_size": 4, "shuffle": True, "num_workers": 2, "persistent_workers": True},
 }
 
@@ -88,6 +93,7 @@ def _map_loader(config: dict[str, Any]) -> Any:
         if "generator" in args:
             args["generator"] = torch.Generator().manual_seed(args["generator"])
         return {"dataset": Numbers(), **args}
+
     return make
 
 
@@ -104,6 +110,7 @@ def test_map_style_checkpoint_continues_with_stateful_dataloaders_batches(name: 
 def test_stateful_iterable_dataset_checkpoint_continues_per_worker(num_workers: int) -> None:
     def make() -> dict[str, Any]:
         return {"dataset": Counter(40), "batch_size": 3, "num_workers": num_workers}
+
     got, expected = _both_continue(make, _checkpoint(make, 4), epochs=1)
     assert got == expected
     assert sorted(i for b in got[0] for i in b) == sorted(set(range(40)) - set(_first_batches(make, 4)))
@@ -131,6 +138,7 @@ def test_own_state_after_a_torchdata_shuffle_keeps_its_shuffle_in_a_new_loader()
 def test_mid_epoch_random_sampler_without_state_is_refused() -> None:
     def make() -> dict[str, Any]:
         return {"dataset": Numbers(), "batch_size": 4, "sampler": RandomSampler(Numbers())}
+
     loader = DataLoader(**make())
     with pytest.raises(ValueError, match="epoch's end"):
         loader.load_state_dict(_checkpoint(make, 3))

@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from omnifeed.loader._errors import OmnifeedError, add_context
 from omnifeed.loader.decode import _registry as _decode
+from omnifeed.loader.decode._config import (
+    AudioDecodeConfig,
+    DecodeConfig,
+    ImageDecodeConfig,
+    TextDecodeConfig,
+    VideoDecodeConfig,
+)
 from omnifeed.loader.decode._registry import (
     REASONS,
     DecodeError,
@@ -28,14 +36,6 @@ from omnifeed.loader.decode._registry import (
     decode_video,
     make_decoder,
 )
-from omnifeed.loader.decode._config import (
-    AudioDecodeConfig,
-    DecodeConfig,
-    ImageDecodeConfig,
-    TextDecodeConfig,
-    VideoDecodeConfig,
-)
-from omnifeed.loader._errors import OmnifeedError, add_context
 from omnifeed.tools._demo_data import encode_flac, encode_image, encode_video
 
 
@@ -186,6 +186,7 @@ def test_flac_cut_anywhere_is_truncated(fraction: float) -> None:
 
 def test_system_errors_are_never_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
     for error in (MemoryError, KeyboardInterrupt):
+
         def boom(*args: object, error: type[BaseException] = error, **kwargs: object) -> None:
             raise error()
 

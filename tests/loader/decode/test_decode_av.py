@@ -13,8 +13,8 @@ import pytest
 import omnifeed.loader.decode._video as decode_video_module
 from omnifeed.bucketing import CostModel, stream_lengths
 from omnifeed.bucketing._cost import INDEX_COLUMNS
-from omnifeed.loader.decode._registry import decode_audio, decode_video, resized_size
 from omnifeed.loader.decode._config import AudioDecodeConfig, VideoDecodeConfig
+from omnifeed.loader.decode._registry import decode_audio, decode_video, resized_size
 from omnifeed.tools._demo_data import encode_flac, encode_video
 
 
@@ -95,8 +95,12 @@ def test_fps_sampling_gives_the_cost_models_frame_count(frames: int, native: int
     clip = _clip(frames, native, 12, 32, 24)
     out = decode_video(clip, VideoDecodeConfig(fps=fps, resize="none", max_frames=64))
     columns = dict.fromkeys(INDEX_COLUMNS, np.zeros(1))
-    columns.update(video_frames=np.array([frames]), video_fps=np.array([float(native)]),
-                   video_width=np.array([32]), video_height=np.array([24]))
+    columns.update(
+        video_frames=np.array([frames]),
+        video_fps=np.array([float(native)]),
+        video_width=np.array([32]),
+        video_height=np.array([24]),
+    )
     model = CostModel(video_fps=fps, video_max_frames=64, image_resize="none", patch_size=1)
     assert out.shape[0] * 32 * 24 == stream_lengths(columns, model)["video"][0]
     assert out.shape[0] == min(64, math.ceil(frames * fps / native) if native > fps else frames)

@@ -16,6 +16,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from omnifeed.loader.decode._config import (
+    AudioDecodeConfig,
+    DecodeConfig,
+    ImageDecodeConfig,
+    TextDecodeConfig,
+    VideoDecodeConfig,
+)
 from omnifeed.loader.decode._registry import (
     REASONS,
     DecodeError,
@@ -24,13 +31,6 @@ from omnifeed.loader.decode._registry import (
     decode_text,
     decode_video,
     make_decoder,
-)
-from omnifeed.loader.decode._config import (
-    AudioDecodeConfig,
-    DecodeConfig,
-    ImageDecodeConfig,
-    TextDecodeConfig,
-    VideoDecodeConfig,
 )
 from omnifeed.tools._demo_data import encode_flac, encode_image, encode_video
 
@@ -59,7 +59,10 @@ def _check_text(data: bytes) -> None:
 
 
 CHECKS: dict[str, Callable[[bytes], None]] = {
-    "image": _check_image, "video": _check_video, "audio": _check_audio, "text": _check_text,
+    "image": _check_image,
+    "video": _check_video,
+    "audio": _check_audio,
+    "text": _check_text,
 }
 
 

@@ -11,8 +11,8 @@ from PIL import Image
 
 from omnifeed.bucketing import CostModel
 from omnifeed.bucketing._cost import _resized
-from omnifeed.loader.decode._registry import decode_image, resized_size
 from omnifeed.loader.decode._config import ImageDecodeConfig
+from omnifeed.loader.decode._registry import decode_image, resized_size
 from omnifeed.tools._demo_data import encode_image
 
 
@@ -27,8 +27,13 @@ SIDES = [1, 2, 3, 7, 13, 31, 100, 111, 223, 224, 225, 299, 333, 480, 500, 640, 1
 
 @pytest.mark.parametrize(
     ("resize", "size", "max_size"),
-    [("short_side", 224, 1024), ("short_side", 384, 512), ("short_side", 7, 9), ("fixed", 224, 1024),
-     ("none", 224, 1024)],
+    [
+        ("short_side", 224, 1024),
+        ("short_side", 384, 512),
+        ("short_side", 7, 9),
+        ("fixed", 224, 1024),
+        ("none", 224, 1024),
+    ],
 )
 def test_output_size_equals_the_cost_models_for_every_source_size(resize: str, size: int, max_size: int) -> None:
     pairs = list(itertools.product(SIDES, SIDES))
@@ -82,15 +87,28 @@ def test_draft_mode_changes_speed_not_size(width: int, height: int, size: int) -
     fast = decode_image(data, ImageDecodeConfig(size=size, draft=True))
     full = decode_image(data, ImageDecodeConfig(size=size, draft=False))
     assert fast.shape == full.shape
-    assert np.abs(fast.astype(np.float32) - full.astype(np.float32)).mean() < 4.0  # DCT-domain downscale: close, not equal
+    assert (
+        np.abs(fast.astype(np.float32) - full.astype(np.float32)).mean() < 4.0
+    )  # DCT-domain downscale: close, not equal
     crop_fast = decode_image(data, ImageDecodeConfig(size=size, crop="center", draft=True))
     assert crop_fast.shape == (3, size, size)
 
 
 @pytest.mark.parametrize(
     ("mode", "fmt"),
-    [("L", "PNG"), ("LA", "PNG"), ("RGBA", "PNG"), ("P", "PNG"), ("P", "GIF"), ("1", "PNG"), ("CMYK", "JPEG"),
-     ("I;16", "PNG"), ("F", "TIFF"), ("RGB", "WEBP"), ("RGB", "BMP")],
+    [
+        ("L", "PNG"),
+        ("LA", "PNG"),
+        ("RGBA", "PNG"),
+        ("P", "PNG"),
+        ("P", "GIF"),
+        ("1", "PNG"),
+        ("CMYK", "JPEG"),
+        ("I;16", "PNG"),
+        ("F", "TIFF"),
+        ("RGB", "WEBP"),
+        ("RGB", "BMP"),
+    ],
 )
 def test_every_common_pixel_mode_becomes_rgb(mode: str, fmt: str) -> None:
     base = Image.fromarray(np.random.default_rng(1).integers(0, 256, (24, 40, 3), dtype=np.uint8))

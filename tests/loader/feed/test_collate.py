@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+from decoded_values import same_values
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decoded_values import same_values
 from omnifeed.loader.feed._collate import collate, uncollate
 
 
@@ -20,11 +20,14 @@ def decoded_samples(draw: st.DrawFn) -> list[dict]:
             length = draw(st.integers(0, 12))
             sample["text"] = ("x" * length, rng.integers(1, 255, (length,), dtype=np.int64))
         if draw(st.booleans()):
-            sample["image"] = rng.integers(0, 255, (3, draw(st.integers(1, 9)), draw(st.integers(1, 9))), dtype=np.uint8)
+            sample["image"] = rng.integers(
+                0, 255, (3, draw(st.integers(1, 9)), draw(st.integers(1, 9))), dtype=np.uint8
+            )
         if draw(st.booleans()):
             frames = draw(st.integers(1, 4))
-            sample["video"] = rng.integers(0, 255, (frames, 3, draw(st.integers(1, 5)), draw(st.integers(1, 5))),
-                                           dtype=np.uint8)
+            sample["video"] = rng.integers(
+                0, 255, (frames, 3, draw(st.integers(1, 5)), draw(st.integers(1, 5))), dtype=np.uint8
+            )
         if draw(st.booleans()):
             sample["audio"] = rng.random((1, draw(st.integers(1, 50))), dtype=np.float32)
         if draw(st.booleans()):
@@ -48,12 +51,17 @@ def test_the_trainer_side_hands_out_the_batch_as_tensors_sharing_its_memory() ->
 
     from omnifeed.loader.feed._torch_batch import to_torch
 
-    samples = [{"text": ("ab", np.array([97, 98])), "image": np.ones((3, 2, 4), np.uint8), "meta": {"cls": b"1"}},
-               {"audio": np.zeros((1, 5), np.float32)}]
+    samples = [
+        {"text": ("ab", np.array([97, 98])), "image": np.ones((3, 2, 4), np.uint8), "meta": {"cls": b"1"}},
+        {"audio": np.zeros((1, 5), np.float32)},
+    ]
     batch = collate(samples, ["a", "b"], {"step": 0})
     tensors = to_torch(batch)
-    for modality, name, dtype in (("text", "tokens", torch.int64), ("image", "pixels", torch.uint8),
-                                  ("audio", "samples", torch.float32)):
+    for modality, name, dtype in (
+        ("text", "tokens", torch.int64),
+        ("image", "pixels", torch.uint8),
+        ("audio", "samples", torch.float32),
+    ):
         assert tensors[modality][name].dtype == dtype and tensors[modality][name].shape == batch[modality][name].shape
         assert tensors[modality][name].data_ptr() == batch[modality][name].ctypes.data  # no copy
     assert tensors["__key__"] == ["a", "b"] and tensors["text"]["strings"] == ["ab"]

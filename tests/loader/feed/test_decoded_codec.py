@@ -52,8 +52,28 @@ def test_what_each_decoder_returns_comes_back_equal(modality: str) -> None:
     assert_same(decode_decoded(encode_decoded(value)), value)
 
 
-@pytest.mark.parametrize("dtype", ["bool", "int8", "uint8", "int16", "uint16", ">i2", "int32", "uint32", "int64",
-                                   "uint64", "float16", "float32", ">f4", "float64", "complex64", "complex128", "V3"])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        "bool",
+        "int8",
+        "uint8",
+        "int16",
+        "uint16",
+        ">i2",
+        "int32",
+        "uint32",
+        "int64",
+        "uint64",
+        "float16",
+        "float32",
+        ">f4",
+        "float64",
+        "complex64",
+        "complex128",
+        "V3",
+    ],
+)
 @pytest.mark.parametrize("shape", [(0,), (3, 0, 2), (1,), (7,), (2, 3, 4)])
 def test_arrays_of_every_plain_dtype_and_shape_round_trip(dtype: str, shape: tuple[int, ...]) -> None:
     rng = np.random.default_rng(0)
@@ -71,18 +91,29 @@ def test_a_non_contiguous_array_is_stored_as_its_values() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.recursive(
-    st.text() | st.binary() | st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8).map(lambda v: np.array(v, np.int32)),
-    lambda inner: st.lists(inner, max_size=4).map(tuple), max_leaves=12,
-))
+@given(
+    st.recursive(
+        st.text()
+        | st.binary()
+        | st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8).map(lambda v: np.array(v, np.int32)),
+        lambda inner: st.lists(inner, max_size=4).map(tuple),
+        max_leaves=12,
+    )
+)
 def test_nested_tuples_of_strings_bytes_and_arrays_round_trip(value: object) -> None:
     assert_same(decode_decoded(encode_decoded(value)), value)
 
 
-@pytest.mark.parametrize("value,what", [
-    (np.array([{"a": 1}, None], dtype=object), "array of Python objects"),
-    ([1, 2], "type list"), ({"a": 1}, "type dict"), (3, "type int"), (tuple(range(256)), "type tuple"),
-])
+@pytest.mark.parametrize(
+    "value,what",
+    [
+        (np.array([{"a": 1}, None], dtype=object), "array of Python objects"),
+        ([1, 2], "type list"),
+        ({"a": 1}, "type dict"),
+        (3, "type int"),
+        (tuple(range(256)), "type tuple"),
+    ],
+)
 def test_values_that_cannot_be_stored_without_pickle_are_refused(value: object, what: str) -> None:
     with pytest.raises(TypeError, match=what):
         encode_decoded(value)
@@ -97,15 +128,18 @@ def test_every_cut_short_entry_is_a_decoded_entry_error() -> None:
         decode_decoded(entry + b"\0")
 
 
-@pytest.mark.parametrize("entry,reason", [
-    (b"OFD1X", "unknown tag"),
-    (b"OFD1S" + U64.pack(2) + b"\xff\xfe", "utf-8"),
-    (b"OFD1S" + U64.pack(2**64 - 1), "cut short"),
-    (array_entry("no-such-dtype", ()), "not understood"),
-    (array_entry("<i4", (2**32, 2**32)), "malformed"),  # a shape whose element count overflows 64 bits
-    (array_entry("<i4", (3,), b"\0" * 8), "cut short"),
-    (array_entry("(2,)<i4", (1,), b"\0" * 8), "malformed"),  # a sub-array dtype would change the shape
-])
+@pytest.mark.parametrize(
+    "entry,reason",
+    [
+        (b"OFD1X", "unknown tag"),
+        (b"OFD1S" + U64.pack(2) + b"\xff\xfe", "utf-8"),
+        (b"OFD1S" + U64.pack(2**64 - 1), "cut short"),
+        (array_entry("no-such-dtype", ()), "not understood"),
+        (array_entry("<i4", (2**32, 2**32)), "malformed"),  # a shape whose element count overflows 64 bits
+        (array_entry("<i4", (3,), b"\0" * 8), "cut short"),
+        (array_entry("(2,)<i4", (1,), b"\0" * 8), "malformed"),  # a sub-array dtype would change the shape
+    ],
+)
 def test_a_malformed_entry_is_a_decoded_entry_error(entry: bytes, reason: str) -> None:
     with pytest.raises(DecodedEntryError, match=reason):
         decode_decoded(entry)
@@ -121,12 +155,15 @@ class _Exploit:
         return (exec, ("raise SystemExit('unpickled')",))
 
 
-@pytest.mark.parametrize("entry", [
-    pickle.dumps(_Exploit()),  # another job's cache wrote a pickle
-    b"OFD1" + pickle.dumps(_Exploit()),
-    array_entry("|O", (1,), b"\0" * 8),  # object arrays hold pointers: refused before a byte is read
-    array_entry("[('a', 'O')]", (1,), b"\0" * 8),
-])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        pickle.dumps(_Exploit()),  # another job's cache wrote a pickle
+        b"OFD1" + pickle.dumps(_Exploit()),
+        array_entry("|O", (1,), b"\0" * 8),  # object arrays hold pointers: refused before a byte is read
+        array_entry("[('a', 'O')]", (1,), b"\0" * 8),
+    ],
+)
 def test_an_entry_is_never_unpickled(entry: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the codec called the unpickler")

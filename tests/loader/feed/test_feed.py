@@ -57,7 +57,12 @@ def same_batch(a: dict, b: dict) -> bool:
     for modality in ("text", "image", "video", "audio"):
         for name, value in a.get(modality, {}).items():
             other = b[modality][name]
-            if isinstance(value, torch.Tensor) and not torch.equal(value, other) or not isinstance(value, torch.Tensor) and value != other:
+            if (
+                isinstance(value, torch.Tensor)
+                and not torch.equal(value, other)
+                or not isinstance(value, torch.Tensor)
+                and value != other
+            ):
                 return False
     return a.get("meta") == b.get("meta")
 
@@ -77,8 +82,12 @@ def test_the_batch_format_pads_each_modality_and_says_whose_rows_they_are(index:
     seen = set()
     for batch in batches:
         n = len(batch["__key__"])
-        for modality, tensor_name, dtype in (("image", "pixels", torch.uint8), ("video", "frames", torch.uint8),
-                                             ("audio", "samples", torch.float32), ("text", "tokens", torch.int64)):
+        for modality, tensor_name, dtype in (
+            ("image", "pixels", torch.uint8),
+            ("video", "frames", torch.uint8),
+            ("audio", "samples", torch.float32),
+            ("text", "tokens", torch.int64),
+        ):
             if modality not in batch:
                 continue
             seen.add(modality)
@@ -176,10 +185,14 @@ def test_a_cost_model_that_mischarges_decoded_sizes_is_refused() -> None:
     cropped = DecodeConfig(image=ImageDecodeConfig(crop="center", size=224))
     with pytest.raises(ValueError, match="crop 'center' is 'fixed'"):
         FeedConfig(plan=PlanConfig(bucketing=BucketingConfig(budget=1e5)), decode=cropped)
-    FeedConfig(plan=PlanConfig(bucketing=BucketingConfig(budget=1e5, cost=CostModel(image_resize="fixed"))), decode=cropped)
+    FeedConfig(
+        plan=PlanConfig(bucketing=BucketingConfig(budget=1e5, cost=CostModel(image_resize="fixed"))), decode=cropped
+    )
     with pytest.raises(ValueError, match="video_max_frames"):
-        FeedConfig(plan=PlanConfig(bucketing=BucketingConfig(budget=1e5)),
-                   decode=DecodeConfig(video=VideoDecodeConfig(num_frames=8)))
+        FeedConfig(
+            plan=PlanConfig(bucketing=BucketingConfig(budget=1e5)),
+            decode=DecodeConfig(video=VideoDecodeConfig(num_frames=8)),
+        )
     FeedConfig(decode=cropped)  # fixed-size batches charge nothing: no constraint
 
 
@@ -240,14 +253,20 @@ def test_take_is_the_next_micro_batch_before_collation(index: SampleIndex) -> No
 
 def test_feeds_on_shared_resources_deliver_what_their_own_would_and_leave_them_open(index: SampleIndex) -> None:
     metrics = FeedMetrics()
-    reader = FieldReader(config(), {m: make_decoder(m, config().decode) for m in MODALITIES}, metrics, index.fingerprint)
+    reader = FieldReader(
+        config(), {m: make_decoder(m, config().decode) for m in MODALITIES}, metrics, index.fingerprint
+    )
     shared = SharedResources(Plan.from_index(index, config().plan), reader, metrics)
     try:
         for rank in range(2):  # one after the other, on the same reader
-            with Feed(index, config(), world_size=2, rank=rank, shared=shared) as feed, \
-                    Feed(index, config(), world_size=2, rank=rank) as own:
+            with (
+                Feed(index, config(), world_size=2, rank=rank, shared=shared) as feed,
+                Feed(index, config(), world_size=2, rank=rank) as own,
+            ):
                 assert feed.plan is shared.plan
-                assert [feed.next_batch()["__key__"] for _ in range(2)] == [own.next_batch()["__key__"] for _ in range(2)]
+                assert [feed.next_batch()["__key__"] for _ in range(2)] == [
+                    own.next_batch()["__key__"] for _ in range(2)
+                ]
         assert metrics.snapshot({})["batches"] == 4  # counted in the owner's metrics
         with pytest.raises(ValueError, match="shared field reader"):
             Feed(index, config(), shared=shared, decoders={"text": lambda data, key: data})

@@ -9,11 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from range_http import RangeServer
 
 from omnifeed.cache import CacheConfig, NvmeTierConfig, RamTier, RamTierConfig, RemoteTierConfig
 from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
 from omnifeed.loader.decode._config import DecodeConfig, ImageDecodeConfig
-from range_http import RangeServer
 
 
 @pytest.fixture
@@ -41,8 +41,10 @@ def epoch(feed: Feed) -> list[dict]:
 def fingerprint(batches: list[dict]) -> tuple:
     """What an epoch delivered, whatever its order: the keys, and sums over every decoded tensor."""
     keys = sorted(k for b in batches for k in b["__key__"])
-    sums = {name: round(sum(b[m][name].double().sum().item() for b in batches if m in b), 2)
-            for m, name in (("image", "pixels"), ("text", "tokens"), ("video", "frames"), ("audio", "samples"))}
+    sums = {
+        name: round(sum(b[m][name].double().sum().item() for b in batches if m in b), 2)
+        for m, name in (("image", "pixels"), ("text", "tokens"), ("video", "frames"), ("audio", "samples"))
+    }
     return keys, sums, sum(len(b["__info__"]["replaced"]) for b in batches)
 
 
@@ -51,8 +53,11 @@ def test_a_second_epoch_runs_from_the_caches_with_the_source_gone(
     moved_dataset: tuple[SampleIndex, Path], tmp_path: Path, ram_name: str, entries: str
 ) -> None:
     index, source = moved_dataset
-    cache = CacheConfig(ram=RamTierConfig(name=ram_name, capacity_bytes=64 * 2**20),
-                        nvme=NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=256 * 2**20), entries=entries)
+    cache = CacheConfig(
+        ram=RamTierConfig(name=ram_name, capacity_bytes=64 * 2**20),
+        nvme=NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=256 * 2**20),
+        entries=entries,
+    )
     config = FeedConfig(plan=PlanConfig(seed=1, batch_size=4), cache=cache)
     with Feed(index, config) as feed:
         first = epoch(feed)
@@ -81,8 +86,9 @@ def test_a_changed_decode_setting_never_serves_stale_decoded_entries(
     plan = PlanConfig(seed=1, batch_size=4)
     sizes = {}
     for size in (64, 32, 64):
-        config = FeedConfig(plan=plan, cache=cache,
-                            decode=DecodeConfig(image=ImageDecodeConfig(resize="fixed", size=size, crop="none")))
+        config = FeedConfig(
+            plan=plan, cache=cache, decode=DecodeConfig(image=ImageDecodeConfig(resize="fixed", size=size, crop="none"))
+        )
         with Feed(index, config) as feed:
             batches = [b for b in epoch(feed) if "image" in b]
             sizes[size] = {tuple(b["image"]["pixels"].shape[-2:]) for b in batches}
@@ -91,18 +97,22 @@ def test_a_changed_decode_setting_never_serves_stale_decoded_entries(
     assert hits > 0  # the third run found the 64-pixel entries of the first
 
 
-def test_remote_errors_are_retried_and_degraded_latency_reads_further_ahead(demo_shards: list[Path], tmp_path: Path) -> None:
+def test_remote_errors_are_retried_and_degraded_latency_reads_further_ahead(
+    demo_shards: list[Path], tmp_path: Path
+) -> None:
     pytest.importorskip("aiohttp")
     root = tmp_path / "served"
     root.mkdir()
     for shard in demo_shards:
         shutil.copy(shard, root / shard.name)
     with RangeServer(root).running() as server:
-        build_index([f"{server.url}/{s.name}" for s in demo_shards], tmp_path / "index", IndexConfig(workers=1),
-                    progress=False)
+        build_index(
+            [f"{server.url}/{s.name}" for s in demo_shards], tmp_path / "index", IndexConfig(workers=1), progress=False
+        )
         index = SampleIndex(tmp_path / "index")
-        remote = RemoteTierConfig(timeout_s=10, retries=10, backoff_s=0.001, latency_window=16, degraded_latency_s=0.3,
-                                  io_threads=8)
+        remote = RemoteTierConfig(
+            timeout_s=10, retries=10, backoff_s=0.001, latency_window=16, degraded_latency_s=0.3, io_threads=8
+        )
         config = FeedConfig(plan=PlanConfig(seed=1, batch_size=4), cache=CacheConfig(remote=remote), prefetch_steps=2)
         server.fail_fraction = 0.2
         with Feed(index, config) as feed:

@@ -18,7 +18,11 @@ def _png_header(width: int, height: int, size: int) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)) + chunk(b"IDAT", b"")
+    png = (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", b"")
+    )
     return (png + chunk(b"IEND", b"")).ljust(size, b"\0")
 
 
@@ -43,7 +47,9 @@ def _corrupt(data: bytes, how: str) -> bytes:
 def damaged(demo_shards: list[Path], tmp_path: Path) -> tuple[SampleIndex, dict[str, str]]:
     """An index over good shards whose bytes are then damaged in place (storage corruption)."""
     shards = [Path(shutil.copy(p, tmp_path / p.name)) for p in demo_shards]
-    index = SampleIndex(build_index([str(p) for p in shards], tmp_path / "index", IndexConfig(workers=1), progress=False).path)
+    index = SampleIndex(
+        build_index([str(p) for p in shards], tmp_path / "index", IndexConfig(workers=1), progress=False).path
+    )
     # (a JPEG cut short and zero-filled still decodes, grey at the bottom, as libjpeg does: the
     # decoder tests cover truly truncated files; here the JPEG gets garbage)
     plan = {"jpg": "garbage", "png": "bomb", "mp4": "broken_moov", "flac": "truncated", "txt": "bad_utf8"}
@@ -87,8 +93,8 @@ def test_a_broken_dataset_stops_with_an_error_naming_its_files(damaged: tuple[Sa
 
 def test_a_slow_video_decoder_does_not_hold_images_back(index_for_faults: SampleIndex) -> None:
     """Counts, not seconds: how many images were decoded by the time the third video decode started."""
-    from omnifeed.loader.decode._registry import make_decoder
     from omnifeed.loader.decode._config import DecodeConfig
+    from omnifeed.loader.decode._registry import make_decoder
 
     video = make_decoder("video", DecodeConfig())
 
@@ -109,12 +115,19 @@ def test_a_slow_video_decoder_does_not_hold_images_back(index_for_faults: Sample
         raise AssertionError("fewer than three videos in the epoch")
 
     plan = PlanConfig(seed=0, batch_size=4)
-    pools = {"image": PoolConfig(workers=1, buffer_samples=64), "video": PoolConfig(workers=1, buffer_samples=8),
-             "text": PoolConfig(workers=1), "audio": PoolConfig(workers=1), "meta": PoolConfig(workers=0)}
+    pools = {
+        "image": PoolConfig(workers=1, buffer_samples=64),
+        "video": PoolConfig(workers=1, buffer_samples=8),
+        "text": PoolConfig(workers=1),
+        "audio": PoolConfig(workers=1),
+        "meta": PoolConfig(workers=0),
+    }
     config = FeedConfig(plan=plan, pools=pools, shared_workers=0, prefetch_steps=16)
     prefetched = Plan.from_index(index_for_faults, plan).stream(0, 0, min(64, index_for_faults.num_samples))
     prefetched_images = sum(
-        1 for position in prefetched.tolist() if any(f.modality == "image" for f in index_for_faults.sample(position).fields)
+        1
+        for position in prefetched.tolist()
+        if any(f.modality == "image" for f in index_for_faults.sample(position).fields)
     )
     # Stated bound: a second into the (0.5 s each) videos, at least 3/4 of the images of the 16
     # prefetched micro-batches are decoded: the image pool never waited for the video pool.

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from decoded_values import same_values
+
 from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, PoolConfig, SampleIndex, build_index
 from omnifeed.loader.feed._collate import collate
 
@@ -24,8 +24,10 @@ def index(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def config(processes: int, shared_memory: bool = True) -> FeedConfig:
-    pools = {m: PoolConfig(workers=2 * processes or 1, processes=processes, shared_memory=shared_memory,
-                           buffer_samples=8) for m in MEDIA}
+    pools = {
+        m: PoolConfig(workers=2 * processes or 1, processes=processes, shared_memory=shared_memory, buffer_samples=8)
+        for m in MEDIA
+    }
     return FeedConfig(plan=PlanConfig(seed=5, batch_size=4), pools=pools, shared_workers=0)
 
 
@@ -55,8 +57,10 @@ def test_processes_through_shared_memory_deliver_the_bytes_threads_do(index: Sam
     gc.collect()
     assert all(a.free_bytes() == a.size for a in arenas)  # collated batches and a closed feed hold none of it
     assert [b["__key__"] for b in got] == [b["__key__"] for b in expected]
-    assert all(same_values({k: v for k, v in g.items() if k != "__info__"}, {k: v for k, v in e.items() if k != "__info__"})
-               for g, e in zip(got, expected))
+    assert all(
+        same_values({k: v for k, v in g.items() if k != "__info__"}, {k: v for k, v in e.items() if k != "__info__"})
+        for g, e in zip(got, expected)
+    )
 
 
 def test_a_resume_from_processes_is_byte_identical(index: SampleIndex) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
+from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, build_index
 from omnifeed.loader.feed._config import PoolConfig
 
 

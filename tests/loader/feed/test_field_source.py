@@ -31,15 +31,20 @@ def ram_name() -> Iterator[str]:
 
 
 def tiers(tmp_path: Path, ram_name: str, entries: str = "raw") -> CacheConfig:
-    return CacheConfig(ram=RamTierConfig(name=ram_name, capacity_bytes=8 * 2**20),
-                       nvme=NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=64 * 2**20), entries=entries)
+    return CacheConfig(
+        ram=RamTierConfig(name=ram_name, capacity_bytes=8 * 2**20),
+        nvme=NvmeTierConfig(path=str(tmp_path / "nvme"), capacity_bytes=64 * 2**20),
+        entries=entries,
+    )
 
 
 @pytest.fixture(scope="module")
 def image(index_dir: Path) -> Field:
     """The index fingerprint, and the first sample with an image, with that image's location."""
     index = SampleIndex(index_dir)
-    sample = next(s for s in map(index.sample, range(index.num_samples)) if any(f.modality == "image" for f in s.fields))
+    sample = next(
+        s for s in map(index.sample, range(index.num_samples)) if any(f.modality == "image" for f in s.fields)
+    )
     return index.fingerprint, sample, next(f for f in sample.fields if f.modality == "image")
 
 
@@ -52,7 +57,9 @@ def reads(source: FieldSource) -> int:
     return int(source.stats()["remote"]["reads"])
 
 
-def test_raw_entries_come_from_the_origin_once_then_from_ram_then_from_nvme(image: Field, tmp_path: Path, ram_name: str) -> None:
+def test_raw_entries_come_from_the_origin_once_then_from_ram_then_from_nvme(
+    image: Field, tmp_path: Path, ram_name: str
+) -> None:
     fingerprint, sample, location = image
     cache = tiers(tmp_path, ram_name)
     with closing(FieldSource(cache, fingerprint, DecodeConfig())) as source:
@@ -66,7 +73,9 @@ def test_raw_entries_come_from_the_origin_once_then_from_ram_then_from_nvme(imag
         assert again.stats()["ram"]["entries"] == 1, "an NVMe hit fills the RAM tier"
 
 
-def test_decoded_entries_hold_the_decoders_output_and_skip_the_origin(image: Field, tmp_path: Path, ram_name: str) -> None:
+def test_decoded_entries_hold_the_decoders_output_and_skip_the_origin(
+    image: Field, tmp_path: Path, ram_name: str
+) -> None:
     fingerprint, sample, location = image
     with closing(FieldSource(tiers(tmp_path, ram_name, "decoded"), fingerprint, DecodeConfig())) as source:
         assert source.load(sample, location) == ("raw", stored(sample, location))  # nothing decoded yet
@@ -77,7 +86,9 @@ def test_decoded_entries_hold_the_decoders_output_and_skip_the_origin(image: Fie
         assert source.raw_key(sample, location) != source.decoded_key(sample, location)
 
 
-def test_a_changed_decode_setting_never_meets_the_old_decoded_entry(image: Field, tmp_path: Path, ram_name: str) -> None:
+def test_a_changed_decode_setting_never_meets_the_old_decoded_entry(
+    image: Field, tmp_path: Path, ram_name: str
+) -> None:
     fingerprint, sample, location = image
     cache = tiers(tmp_path, ram_name, "decoded")
     small, large = (DecodeConfig(image=ImageDecodeConfig(resize="fixed", size=n, crop="none")) for n in (32, 64))
@@ -101,7 +112,8 @@ def test_keys_follow_the_index_the_field_and_the_transform_version_of_its_modali
     assert base.raw_key(sample, location) == resized.raw_key(sample, location), "decode settings leave raw bytes alone"
     assert base.raw_key(sample, location) != base.raw_key(sample, audio)
     assert {reindexed.raw_key(sample, location), reindexed.decoded_key(sample, location)}.isdisjoint(
-        {base.raw_key(sample, location), base.decoded_key(sample, location)})
+        {base.raw_key(sample, location), base.decoded_key(sample, location)}
+    )
     assert FieldSource(CacheConfig(), fingerprint, DecodeConfig()).decoded_key(sample, location) is None, "raw mode"
     custom = FieldSource(decoded, fingerprint, DecodeConfig(), custom=frozenset({"image"}))
     assert custom.decoded_key(sample, location) is None, "a user's decoder has no version to key its output by"
@@ -123,7 +135,9 @@ def test_an_unreadable_decoded_entry_is_read_again_from_the_origin(
         assert f"cached decoded entry of {sample.key!r} field {location.name!r} is unreadable" in caplog.text
 
 
-def test_an_unreadable_decoded_entry_is_replaced_by_the_value_decoded_again(image: Field, tmp_path: Path, ram_name: str) -> None:
+def test_an_unreadable_decoded_entry_is_replaced_by_the_value_decoded_again(
+    image: Field, tmp_path: Path, ram_name: str
+) -> None:
     fingerprint, sample, location = image
     with closing(FieldSource(tiers(tmp_path, ram_name, "decoded"), fingerprint, DecodeConfig())) as source:
         key = source.decoded_key(sample, location)

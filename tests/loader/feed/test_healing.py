@@ -13,16 +13,26 @@ from omnifeed.loader.feed._healing import ErrorBudget, SampleFailure, fallback_p
 
 
 def failure(n: int, url: str = "s3://bucket/shard-0000.tar", reason: str = "corrupt") -> SampleFailure:
-    return SampleFailure(key=f"k{n}", url=url, modality="image", reason=reason, message="cannot identify image file",
-                         field="jpg", member=f"k{n}.jpg")
+    return SampleFailure(
+        key=f"k{n}",
+        url=url,
+        modality="image",
+        reason=reason,
+        message="cannot identify image file",
+        field="jpg",
+        member=f"k{n}.jpg",
+    )
 
 
-@pytest.mark.parametrize("healthy,slot,expected", [
-    ([True, False, True, True], 1, 2),  # the next healthy slot
-    ([True, True, False, False], 2, 0),  # wraps around past the end
-    ([False, True, False, False], 3, 1),
-    ([False, False, False], 0, None),  # nothing healthy: the feed falls back to a stand-in from the index
-])
+@pytest.mark.parametrize(
+    "healthy,slot,expected",
+    [
+        ([True, False, True, True], 1, 2),  # the next healthy slot
+        ([True, True, False, False], 2, 0),  # wraps around past the end
+        ([False, True, False, False], 3, 1),
+        ([False, False, False], 0, None),  # nothing healthy: the feed falls back to a stand-in from the index
+    ],
+)
 def test_a_failed_slot_takes_the_next_healthy_batch_mate(healthy: list[bool], slot: int, expected: int | None) -> None:
     assert replacement_slot(slot, healthy) == expected
 
@@ -49,7 +59,9 @@ def test_failures_up_to_the_budget_fraction_pass_and_one_more_stops_the_feed() -
     budget.record(20, [failure(25 + i) for i in range(5)])  # 30 of 120 = 25 %: still within
     with pytest.raises(FeedError) as stopped:
         budget.record(1, [failure(30)])  # 31 of 121 > 25 %
-    assert "31 of 121 samples could not be read or decoded (25.6%, over the error budget of 25.0%)" in str(stopped.value)
+    assert "31 of 121 samples could not be read or decoded (25.6%, over the error budget of 25.0%)" in str(
+        stopped.value
+    )
     assert "FeedConfig.error_budget" in str(stopped.value)
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from labelled_data import index_of, write_labelled_parquet, write_labelled_tar
+
 from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex
 from omnifeed.loader.feed import collate
 from omnifeed.loader.feed._collate import uncollate
@@ -54,14 +54,16 @@ def test_parquet_columns_come_back_by_their_type(tmp_path: Path) -> None:
     meta = batch["meta"]
     assert meta["label"].dtype == torch.int64 and meta["label"].tolist() == [r % 4 for r in rows]
     assert meta["score"].dtype == torch.float64 and meta["score"].tolist() == [r / 2 for r in rows]
-    assert "caption" not in meta and batch["text"]["strings"] == [f"a picture {r}" for r in rows], \
+    assert "caption" not in meta and batch["text"]["strings"] == [f"a picture {r}" for r in rows], (
         "a string column named like text is the text modality (issue 18, item 1)"
+    )
     assert meta["tags"] == [["x"] * (r % 3) for r in rows]
     assert meta["raw"] == [bytes([r]) for r in rows]
 
 
 def test_per_field_decoders_are_told_their_field_and_modality_decoders_keep_their_signature(
-        tar_index: SampleIndex) -> None:
+    tar_index: SampleIndex,
+) -> None:
     calls: list[tuple[str, str]] = []
 
     def label(data: bytes, key: str, field: str) -> int:

@@ -10,16 +10,15 @@ from typing import Any
 import pytest
 import torch
 
-from omnifeed.loader import FeedConfig, IndexConfig, PlanConfig, PlanCursor, PoolConfig, SampleIndex, build_index
-from omnifeed.loader import Feed
-from omnifeed.loader.feed._collate import collate
-from omnifeed.loader.decode._registry import make_decoder
+from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, PlanCursor, PoolConfig, SampleIndex, build_index
 from omnifeed.loader._modalities import FIELD_MODALITIES
+from omnifeed.loader.decode._registry import make_decoder
+from omnifeed.loader.feed._collate import collate
 from omnifeed.loader.feed._metrics import FeedMetrics
 from omnifeed.loader.feed._pipeline import FieldReader, Pipeline
-from omnifeed.loader.plan._plan import Plan
 from omnifeed.loader.feed._pools import DecodePools, PoolOwner
 from omnifeed.loader.feed._torch_batch import to_torch
+from omnifeed.loader.plan._plan import Plan
 
 WAIT = 10.0  # seconds: generous, only ever reached when something is broken
 
@@ -53,9 +52,16 @@ def admits(owner: PoolOwner, n: int, within: float = WAIT) -> bool:
     return result == [True]
 
 
-def task(done: threading.Event, nbytes: int = 1, gate: threading.Event | None = None,
-         log: list[Any] | None = None, name: object = None, started: threading.Event | None = None) -> Callable[[], int]:
+def task(
+    done: threading.Event,
+    nbytes: int = 1,
+    gate: threading.Event | None = None,
+    log: list[Any] | None = None,
+    name: object = None,
+    started: threading.Event | None = None,
+) -> Callable[[], int]:
     """A small task: waits for ``gate`` (if any), logs (name, thread), sets ``done``, returns ``nbytes``."""
+
     def run() -> int:
         if started is not None:
             started.set()
@@ -65,6 +71,7 @@ def task(done: threading.Event, nbytes: int = 1, gate: threading.Event | None = 
             log.append((name, threading.current_thread()))
         done.set()
         return nbytes
+
     return run
 
 
@@ -243,15 +250,19 @@ def test_pipelines_sharing_pools_and_a_reader_deliver_what_separate_feeds_do(ind
     reader = FieldReader(config, decoders, FeedMetrics(), index.fingerprint)
     pools = DecodePools(config)
     start = PlanCursor(plan, world_size=2, grad_accum=1).state_dict()
-    pipelines = [Pipeline(index, plan, config, reader, world_size=2, rank=rank, grad_accum=1, state=start, skip=0,
-                          pools=pools) for rank in range(2)]
+    pipelines = [
+        Pipeline(index, plan, config, reader, world_size=2, rank=rank, grad_accum=1, state=start, skip=0, pools=pools)
+        for rank in range(2)
+    ]
     try:
         got: list[list[dict[str, Any]]] = [[], []]
         for _ in range(3):
             for rank, pipeline in enumerate(pipelines):
                 got[rank].append(next_batch(pipeline))
         pipelines[0].close()  # one stream ends: the other goes on, on the same workers
-        workers = {t for t in threading.enumerate() if t.name.startswith("omnifeed-") and t.name != "omnifeed-scheduler"}
+        workers = {
+            t for t in threading.enumerate() if t.name.startswith("omnifeed-") and t.name != "omnifeed-scheduler"
+        }
         got[1] += [next_batch(pipelines[1]) for _ in range(2)]
         assert workers <= set(threading.enumerate())
     finally:

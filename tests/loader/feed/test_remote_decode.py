@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from decoded_values import same_values
+
 from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex
 from omnifeed.loader.feed._collate import collate
 from omnifeed.loader.feed._config import PoolConfig
@@ -50,10 +50,16 @@ def cluster(two_nodes: Any) -> Any:
 
 
 def remote_config(buffer_samples: int = 256, remote: RemoteConfig = REMOTE, **others: RemoteConfig) -> FeedConfig:
-    pools = {m: PoolConfig(workers=1, buffer_samples=buffer_samples, remote=others.get(m, remote))
-             for m in ("image", "video", "text")}
-    return FeedConfig(plan=PLAN, pools={**pools, "audio": PoolConfig(workers=1), "meta": PoolConfig(workers=0)},
-                      shared_workers=0, prefetch_steps=1)
+    pools = {
+        m: PoolConfig(workers=1, buffer_samples=buffer_samples, remote=others.get(m, remote))
+        for m in ("image", "video", "text")
+    }
+    return FeedConfig(
+        plan=PLAN,
+        pools={**pools, "audio": PoolConfig(workers=1), "meta": PoolConfig(workers=0)},
+        shared_workers=0,
+        prefetch_steps=1,
+    )
 
 
 def remote_of(feed: Feed) -> RemoteDecoders:
@@ -80,6 +86,7 @@ def slowed(delays: dict[str, float], first_calls: int | None = None) -> type[Dec
 
     Defined in a function so that Ray ships the class by value to the cluster's workers.
     """
+
     class SlowDecodeActor(DecodeActor):
         calls = 0
 
@@ -111,7 +118,8 @@ def local_batches(index_dir: Path) -> list[dict[str, Any]]:
 
 
 def test_batches_decoded_on_ray_actors_are_the_bytes_of_local_decoding(
-        cluster: Any, index_dir: Path, local_batches: list[dict[str, Any]]) -> None:
+    cluster: Any, index_dir: Path, local_batches: list[dict[str, Any]]
+) -> None:
     with Feed(index_dir, remote_config()) as feed:
         wait_for_actors(remote_of(feed))
         got = numpy_batches(feed)
@@ -123,7 +131,8 @@ def test_batches_decoded_on_ray_actors_are_the_bytes_of_local_decoding(
 
 
 def test_an_actor_killed_and_a_node_removed_mid_epoch_lose_and_duplicate_nothing(
-        cluster: Any, index_dir: Path, local_batches: list[dict[str, Any]], tmp_path: Path) -> None:
+    cluster: Any, index_dir: Path, local_batches: list[dict[str, Any]], tmp_path: Path
+) -> None:
     audit = tmp_path / "audit.jsonl"
     with Feed(index_dir, remote_config(buffer_samples=2), audit_log=audit) as feed:
         remote = remote_of(feed)
@@ -148,13 +157,14 @@ def test_an_actor_killed_and_a_node_removed_mid_epoch_lose_and_duplicate_nothing
 
 
 def test_a_task_past_its_deadline_is_decoded_here_and_the_late_answer_dropped(
-        cluster: Any, index_dir: Path, local_batches: list[dict[str, Any]], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster: Any, index_dir: Path, local_batches: list[dict[str, Any]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Each actor's first answer is late: the image one by less than 3 deadlines (it comes, and is
     # dropped), the video one by far more (the actor is replaced).
     monkeypatch.setattr(RemoteDecoders, "_actor_type", slowed({"image": 1.5, "video": 600.0}, first_calls=1))
-    config = remote_config(remote=REMOTE.model_copy(update={"deadline_s": 1.0}),
-                           video=REMOTE.model_copy(update={"deadline_s": 0.2}))
+    config = remote_config(
+        remote=REMOTE.model_copy(update={"deadline_s": 1.0}), video=REMOTE.model_copy(update={"deadline_s": 0.2})
+    )
     audit = tmp_path / "audit.jsonl"
     with Feed(index_dir, config, audit_log=audit) as feed:
         remote = remote_of(feed)
@@ -171,12 +181,16 @@ def test_a_task_past_its_deadline_is_decoded_here_and_the_late_answer_dropped(
     assert stats["image"]["reissued"] >= 1 and stats["video"]["reissued"] >= 1, stats
 
 
+@pytest.mark.soak
 def test_the_pool_grows_while_its_modality_starves_and_shrinks_when_idle(
-        cluster: Any, index_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cluster: Any, index_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(RemoteDecoders, "_actor_type", slowed({"image": 0.2}))
     elastic = REMOTE.model_copy(update={"max_workers": 2, "grow_after_s": 0.5, "shrink_after_s": 1.0})
     config = FeedConfig(plan=PLAN, pools={"image": PoolConfig(workers=1, remote=elastic)}, shared_workers=0)
-    sample = next(s for s in SampleIndex(index_dir).samples(list(range(48))) if any(f.modality == "image" for f in s.fields))
+    sample = next(
+        s for s in SampleIndex(index_dir).samples(list(range(48))) if any(f.modality == "image" for f in s.fields)
+    )
     location = next(f for f in sample.fields if f.modality == "image")
     errors: list[BaseException] = []
     targets: list[int] = []
@@ -217,12 +231,13 @@ def free_port() -> int:
 
 
 def test_remote_workers_come_back_with_the_cluster_and_go_when_it_goes(
-        cluster: Any, index_dir: Path, local_batches: list[dict[str, Any]], tmp_path: Path,
-        caplog: pytest.LogCaptureFixture) -> None:
+    cluster: Any, index_dir: Path, local_batches: list[dict[str, Any]], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ray.shutdown()  # the feed makes (and drops) its own connection
     port = free_port()
-    config = remote_config(buffer_samples=2, remote=REMOTE.model_copy(update={"address": f"127.0.0.1:{port}",
-                                                                             "retry_s": 0.5}))
+    config = remote_config(
+        buffer_samples=2, remote=REMOTE.model_copy(update={"address": f"127.0.0.1:{port}", "retry_s": 0.5})
+    )
     audit = tmp_path / "audit.jsonl"
     later: Any = None
     try:
@@ -230,8 +245,10 @@ def test_remote_workers_come_back_with_the_cluster_and_go_when_it_goes(
             remote = remote_of(feed)
             got = numpy_batches_of(feed, 2)  # nothing answers at the address yet: local workers
             assert remote.snapshot()["connected"] is False
-            later = cluster_utils.Cluster(initialize_head=True, head_node_args={
-                "gcs_server_port": port, "num_cpus": 1, "resources": {"decode": 4}})
+            later = cluster_utils.Cluster(
+                initialize_head=True,
+                head_node_args={"gcs_server_port": port, "num_cpus": 1, "resources": {"decode": 4}},
+            )
             wait_for_actors(remote)
             got += numpy_batches_of(feed, 4)
             remote_decoded = sum(m["decoded"] for m in remote.snapshot()["modalities"].values())

@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from labelled_data import index_of, write_labelled_tar
 from pydantic import ValidationError
 
-from labelled_data import index_of, write_labelled_tar
 from omnifeed.cache import CacheConfig, NvmeTierConfig
 from omnifeed.loader import ConfigError, Feed, FeedConfig, PlanConfig, SampleIndex
-from omnifeed.loader.feed import RandomResizedCrop, TransformsConfig, transform_generators
-from omnifeed.loader.feed import _transforms
-from omnifeed.loader.feed._transforms import Transforms, crop_box, horizontal_flip, random_resized_crop
+from omnifeed.loader.feed import RandomResizedCrop, TransformsConfig, _transforms, transform_generators
 from omnifeed.loader.feed._transform_config import HorizontalFlip
+from omnifeed.loader.feed._transforms import Transforms, crop_box, horizontal_flip, random_resized_crop
 
 AUGMENT = {"image": [{"random_resized_crop": {"size": 16}}, {"horizontal_flip": {"p": 0.5}}]}
 
@@ -35,21 +34,30 @@ def index(tmp_path_factory: pytest.TempPathFactory) -> SampleIndex:
 
 
 def pixels_by_key(batches: list[dict]) -> dict[str, torch.Tensor]:
-    return {key: b["image"]["pixels"][row] for b in batches for row, key in zip(b["image"]["index"].tolist(), b["__key__"])}
+    return {
+        key: b["image"]["pixels"][row] for b in batches for row, key in zip(b["image"]["index"].tolist(), b["__key__"])
+    }
 
 
-@pytest.mark.parametrize(("height", "width", "scale", "ratio"), [
-    (30, 40, (0.08, 1.0), (3 / 4, 4 / 3)), (224, 100, (0.5, 0.9), (1.0, 1.0)), (7, 300, (0.08, 1.0), (3 / 4, 4 / 3)),
-    (50, 50, (2.0, 3.0), (3 / 4, 4 / 3)),  # no crop can have that area: torchvision's centre fallback
-])
-def test_crop_boxes_stay_inside_the_image_and_within_scale_and_ratio(height: int, width: int,
-                                                                     scale: tuple[float, float],
-                                                                     ratio: tuple[float, float]) -> None:
+@pytest.mark.parametrize(
+    ("height", "width", "scale", "ratio"),
+    [
+        (30, 40, (0.08, 1.0), (3 / 4, 4 / 3)),
+        (224, 100, (0.5, 0.9), (1.0, 1.0)),
+        (7, 300, (0.08, 1.0), (3 / 4, 4 / 3)),
+        (50, 50, (2.0, 3.0), (3 / 4, 4 / 3)),  # no crop can have that area: torchvision's centre fallback
+    ],
+)
+def test_crop_boxes_stay_inside_the_image_and_within_scale_and_ratio(
+    height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float]
+) -> None:
     for seed in range(200):
         top, left, h, w = crop_box(height, width, scale, ratio, np.random.default_rng(seed))
         assert 0 <= top and top + h <= height and 0 <= left and left + w <= width and h > 0 and w > 0
-        drawn = (scale[0] * 0.8 <= h * w / (height * width) <= scale[1] * 1.2   # (rounding to whole pixels)
-                 and ratio[0] * 0.8 <= w / h <= ratio[1] * 1.2)
+        drawn = (
+            scale[0] * 0.8 <= h * w / (height * width) <= scale[1] * 1.2  # (rounding to whole pixels)
+            and ratio[0] * 0.8 <= w / h <= ratio[1] * 1.2
+        )
         fallback = (top, left) == ((height - h) // 2, (width - w) // 2) and (h == height or w == width)
         assert drawn or fallback
     if scale[0] > 1:
@@ -71,13 +79,27 @@ def test_generators_are_a_pure_function_of_seed_epoch_key_and_field() -> None:
         return [g.random() for g in transform_generators(*args)]
 
     assert draw(7, 0, "k", "jpg", 2) == draw(7, 0, "k", "jpg", 2)
-    assert len({tuple(draw(*a)) for a in [(7, 0, "k", "jpg", 2), (7, 1, "k", "jpg", 2), (8, 0, "k", "jpg", 2),
-                                          (7, 0, "j", "jpg", 2), (7, 0, "k", "png", 2)]}) == 5
+    assert (
+        len(
+            {
+                tuple(draw(*a))
+                for a in [
+                    (7, 0, "k", "jpg", 2),
+                    (7, 1, "k", "jpg", 2),
+                    (8, 0, "k", "jpg", 2),
+                    (7, 0, "j", "jpg", 2),
+                    (7, 0, "k", "png", 2),
+                ]
+            }
+        )
+        == 5
+    )
     assert draw(7, 0, "k", "jpg", 3)[:2] == draw(7, 0, "k", "jpg", 2), "a step added later leaves earlier draws alone"
 
 
 def test_a_modality_without_steps_draws_no_generators(monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-field path when no step is configured: the value as it is, no SeedSequence (the hot path's promise)."""
+
     def no_seeding(*args: Any) -> list[np.random.Generator]:
         raise AssertionError("generators seeded for a modality without steps")
 
@@ -106,11 +128,14 @@ def test_each_epoch_crops_anew_and_a_resume_repeats_the_same_batches(index: Samp
         resumed.load_state_dict(state)
         for expected in reference[2:]:
             got = resumed.next_batch()
-            assert got["__key__"] == expected["__key__"] and torch.equal(got["image"]["pixels"], expected["image"]["pixels"])
+            assert got["__key__"] == expected["__key__"] and torch.equal(
+                got["image"]["pixels"], expected["image"]["pixels"]
+            )
 
 
-def test_a_user_transform_by_import_path_gets_key_epoch_and_a_seeded_rng(index: SampleIndex, tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_user_transform_by_import_path_gets_key_epoch_and_a_seeded_rng(
+    index: SampleIndex, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "my_augment.py").write_text(
         "import numpy as np\n"
         "def stamp(value, key, epoch, rng, base=0):\n"
@@ -119,7 +144,8 @@ def test_a_user_transform_by_import_path_gets_key_epoch_and_a_seeded_rng(index: 
         "    out[0, 0, 0] = base + epoch\n"
         "    out[1, 0, 0] = int(key.split('-')[1])\n"
         "    out[2, 0, 0] = rng.integers(0, 256)\n"
-        "    return out\n")
+        "    return out\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     steps = {"image": [{"user": {"function": "my_augment:stamp", "kwargs": {"base": 10}}}]}
     with Feed(index, config(steps)) as feed:
@@ -151,14 +177,17 @@ def test_transforms_from_yaml_are_validated_with_a_clear_message(tmp_path: Path)
     path.write_text(yaml.safe_dump({"transforms": AUGMENT}))
     steps = FeedConfig.from_yaml(path).transforms.image
     assert steps[0].random_resized_crop == RandomResizedCrop(size=16) and steps[1].name == "horizontal_flip"
-    path.write_text(yaml.safe_dump({"transforms": {"image": [{"random_resized_crop": {"size": 16},
-                                                              "horizontal_flip": {}}]}}))
+    path.write_text(
+        yaml.safe_dump({"transforms": {"image": [{"random_resized_crop": {"size": 16}, "horizontal_flip": {}}]}})
+    )
     with pytest.raises(ConfigError, match="exactly one of"):
         FeedConfig.from_yaml(path)
-    for bad, message in [({"audio": [{"horizontal_flip": {}}]}, "not audio"),
-                         ({"image": [{"random_resized_crop": {"size": 8, "scale": [0.9, 0.1]}}]}, "low <= high"),
-                         ({"image": [{"user": {"function": "no_colon"}}]}, "module:function"),
-                         ({"image": [{"rotate": {}}]}, "rotate")]:
+    for bad, message in [
+        ({"audio": [{"horizontal_flip": {}}]}, "not audio"),
+        ({"image": [{"random_resized_crop": {"size": 8, "scale": [0.9, 0.1]}}]}, "low <= high"),
+        ({"image": [{"user": {"function": "no_colon"}}]}, "module:function"),
+        ({"image": [{"rotate": {}}]}, "rotate"),
+    ]:
         with pytest.raises(ValidationError, match=message):
             TransformsConfig(**bad)
     assert math.isclose(RandomResizedCrop(size=1).ratio[1], 4 / 3)
@@ -169,8 +198,9 @@ def test_a_transform_that_cannot_be_imported_fails_when_the_feed_is_made(index: 
         Feed(index, config({"image": [{"user": {"function": "no_such_module:f"}}]}))
 
 
-def test_a_torch_transform_seeded_from_the_rng_as_docs_say_is_deterministic(index: SampleIndex, tmp_path: Path,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_torch_transform_seeded_from_the_rng_as_docs_say_is_deterministic(
+    index: SampleIndex, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # docs/feed.md's recipe for transforms that draw from torch's global generator (torchvision v2 pipelines)
     (tmp_path / "torch_augment.py").write_text(
         "import threading\n"
@@ -181,7 +211,8 @@ def test_a_torch_transform_seeded_from_the_rng_as_docs_say_is_deterministic(inde
         "    with _lock, torch.random.fork_rng(devices=[]):\n"
         "        torch.manual_seed(seed)\n"
         "        image = torch.from_numpy(value)\n"
-        "        return image ^ torch.randint(0, 256, image.shape, dtype=torch.uint8)\n")
+        "        return image ^ torch.randint(0, 256, image.shape, dtype=torch.uint8)\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     steps = {"image": [{"random_resized_crop": {"size": 8}}, {"user": {"function": "torch_augment:noise"}}]}
     runs = []

@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from labelled_data import index_of, write_labelled_tar
+
 from omnifeed.loader import Feed, FeedConfig, FeedError, PlanConfig, SampleIndex
 from omnifeed.loader.decode import DecodeConfig, TextDecodeConfig
 
@@ -35,7 +35,8 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
         "def tokens(text):\n"
         f"    if text == 'caption 5':\n"
         "        raise KeyError('unknown word')\n"
-        "    return [1, 2]\n")
+        "    return [1, 2]\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     return "my_code"
 
@@ -56,44 +57,60 @@ def the_replacement(batches: list[dict]) -> list[Any]:
 def assert_names_the_culprit(caplog: pytest.LogCaptureFixture, function: str, field: str, index: SampleIndex) -> None:
     (logged,) = [r.getMessage() for r in caplog.records if "replaced sample" in r.getMessage()]
     url = index.sample(0).shard.url
-    for part in (repr(BAD_KEY), function, repr(field), url, repr(f"{BAD_KEY}.{field}"), "(image, user)"
-                 if field == "png" else "user"):
+    for part in (
+        repr(BAD_KEY),
+        function,
+        repr(field),
+        url,
+        repr(f"{BAD_KEY}.{field}"),
+        "(image, user)" if field == "png" else "user",
+    ):
         assert part in logged, (part, logged)
     assert "re-index" not in logged and "dataset looks broken" not in logged
 
 
-def test_a_failing_user_decoder_costs_one_sample_and_is_named(index: SampleIndex,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_user_decoder_costs_one_sample_and_is_named(
+    index: SampleIndex, caplog: pytest.LogCaptureFixture
+) -> None:
     def picky(data: bytes, key: str) -> np.ndarray:
         if key == BAD_KEY:
             raise ValueError("cannot handle this one")
         return np.zeros((3, 4, 4), np.uint8)
 
-    with caplog.at_level(logging.WARNING, logger="omnifeed.loader.feed._healing"), \
-            Feed(index, config(), decoders={"image": picky}) as feed:
+    with (
+        caplog.at_level(logging.WARNING, logger="omnifeed.loader.feed._healing"),
+        Feed(index, config(), decoders={"image": picky}) as feed,
+    ):
         batches = run_epoch(feed)
         assert feed.metrics()["modalities"]["image"]["bad"] == {"user": 1}
     slot, key, reason = the_replacement(batches)
     assert (key, reason) == (BAD_KEY, "user")
-    assert_names_the_culprit(caplog, f"{__name__}:test_a_failing_user_decoder_costs_one_sample_and_is_named.<locals>"
-                             ".picky", "png", index)
+    assert_names_the_culprit(
+        caplog, f"{__name__}:test_a_failing_user_decoder_costs_one_sample_and_is_named.<locals>.picky", "png", index
+    )
 
 
-def test_a_failing_user_transform_costs_one_sample_and_is_named(index: SampleIndex, user_module: str,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_user_transform_costs_one_sample_and_is_named(
+    index: SampleIndex, user_module: str, caplog: pytest.LogCaptureFixture
+) -> None:
     steps = {"image": [{"user": {"function": f"{user_module}:fragile"}}]}
-    with caplog.at_level(logging.WARNING, logger="omnifeed.loader.feed._healing"), \
-            Feed(index, config(transforms=steps)) as feed:
+    with (
+        caplog.at_level(logging.WARNING, logger="omnifeed.loader.feed._healing"),
+        Feed(index, config(transforms=steps)) as feed,
+    ):
         assert the_replacement(run_epoch(feed))[1:] == [BAD_KEY, "user"]
     assert_names_the_culprit(caplog, "transform my_code:fragile raised ValueError: no good", "png", index)
     assert "my_code.py:3" in caplog.text, "the line that raised"
 
 
-def test_a_failing_user_tokenizer_is_the_users_too(index: SampleIndex, user_module: str,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failing_user_tokenizer_is_the_users_too(
+    index: SampleIndex, user_module: str, caplog: pytest.LogCaptureFixture
+) -> None:
     decode = DecodeConfig(text=TextDecodeConfig(tokenizer=f"{user_module}:tokens"))
-    with caplog.at_level(logging.WARNING, logger="omnifeed.loader.feed._healing"), \
-            Feed(index, config(decode=decode)) as feed:
+    with (
+        caplog.at_level(logging.WARNING, logger="omnifeed.loader.feed._healing"),
+        Feed(index, config(decode=decode)) as feed,
+    ):
         assert the_replacement(run_epoch(feed))[1:] == [BAD_KEY, "user"]
     assert_names_the_culprit(caplog, "tokenizer my_code:tokens raised KeyError", "txt", index)
 
@@ -103,8 +120,9 @@ def test_a_decoder_returning_what_a_batch_cannot_hold_is_a_user_error(index: Sam
         assert the_replacement(run_epoch(feed))[1:] == [BAD_KEY, "user"]
 
 
-def test_a_function_that_always_fails_stops_the_feed_blaming_the_function_not_the_data(index: SampleIndex,
-                                                                                        user_module: str) -> None:
+def test_a_function_that_always_fails_stops_the_feed_blaming_the_function_not_the_data(
+    index: SampleIndex, user_module: str
+) -> None:
     steps = {"image": [{"user": {"function": f"{user_module}:always"}}]}
     with Feed(index, config(transforms=steps)) as feed, pytest.raises(FeedError) as stopped:
         feed.next_batch()

@@ -9,17 +9,21 @@ from typing import Any
 
 import pytest
 import torch
-
 from feed_service import ServiceProcess, short_socket_dir, write_config
 from labelled_data import index_of, write_labelled_tar
+
 from omnifeed.loader import Feed, FeedConfig
 from omnifeed.trainer_adapter import FeedClient
 
 FEED: dict[str, Any] = {
     "plan": {"seed": 11, "batch_size": 4},
-    "transforms": {"image": [{"random_resized_crop": {"size": 16, "scale": [0.2, 1.0]}},
-                             {"horizontal_flip": {"p": 0.5}},
-                             {"user": {"function": "service_augment:darken", "kwargs": {"by": 3}}}]},
+    "transforms": {
+        "image": [
+            {"random_resized_crop": {"size": 16, "scale": [0.2, 1.0]}},
+            {"horizontal_flip": {"p": 0.5}},
+            {"user": {"function": "service_augment:darken", "kwargs": {"by": 3}}},
+        ]
+    },
 }
 
 
@@ -32,7 +36,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServicePr
     (code / "service_augment.py").write_text(
         "import numpy as np\n"
         "def darken(value, key, epoch, rng, by=1):\n"
-        "    return (value // by + rng.integers(0, 2)).astype(np.uint8)\n")
+        "    return (value // by + rng.integers(0, 2)).astype(np.uint8)\n"
+    )
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", str(code))  # the service imports the user's module in its own process
         patch.syspath_prepend(str(code))  # and so does the in-process reference feed
@@ -52,8 +57,12 @@ def same(a: dict, b: dict) -> bool:
         other = b["meta"][name]
         if isinstance(value, torch.Tensor) != isinstance(other, torch.Tensor):
             return False
-        if isinstance(value, torch.Tensor) and not torch.equal(value, other) or not isinstance(value, torch.Tensor) \
-                and value != other:
+        if (
+            isinstance(value, torch.Tensor)
+            and not torch.equal(value, other)
+            or not isinstance(value, torch.Tensor)
+            and value != other
+        ):
             return False
     return a["meta"].keys() == b["meta"].keys()
 
@@ -71,7 +80,8 @@ def test_the_service_hands_out_the_in_process_feeds_values(served: tuple[Service
 
 
 def test_a_client_resumed_from_a_saved_state_gets_the_same_augmented_batches(
-        served: tuple[ServiceProcess, Path]) -> None:
+    served: tuple[ServiceProcess, Path],
+) -> None:
     service, _ = served
     with FeedClient(str(service.socket), rank=0, world_size=1) as straight:
         reference = [straight.next_batch() for _ in range(6)]

@@ -55,7 +55,8 @@ def damaged_shard(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
 
 
 def test_a_tar_with_damaged_headers_indexes_every_good_sample_and_names_every_damaged_one(
-        damaged_shard: tuple[Path, list[str]], tmp_path: Path) -> None:
+    damaged_shard: tuple[Path, list[str]], tmp_path: Path
+) -> None:
     shard, damaged = damaged_shard
     report = build_index([str(shard)], tmp_path / "index", CONFIG, progress=False)
     assert report.num_samples == GOOD and not report.errors and not report.ok
@@ -72,7 +73,8 @@ def test_a_tar_with_damaged_headers_indexes_every_good_sample_and_names_every_da
 
 
 def test_strict_refuses_the_shard_at_its_first_damaged_sample(
-        damaged_shard: tuple[Path, list[str]], tmp_path: Path) -> None:
+    damaged_shard: tuple[Path, list[str]], tmp_path: Path
+) -> None:
     shard, damaged = damaged_shard
     with pytest.raises(SourceError, match=rf"member '{damaged[0]}\.jpg' of sample '{damaged[0]}'.*unreadable image"):
         scan_shard(ShardSpec(str(shard), "tar"), STRICT)
@@ -83,17 +85,24 @@ def test_strict_refuses_the_shard_at_its_first_damaged_sample(
 
 
 def test_the_cli_names_every_damaged_sample_and_exits_3_and_strict_exits_1(
-        damaged_shard: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    damaged_shard: tuple[Path, list[str]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shard, damaged = damaged_shard
-    assert main(["index", str(shard), "--out", str(tmp_path / "a"), "--workers", "1", "--no-progress"]) == 3
+    assert main(["index", str(shard), "--out", str(tmp_path / "a"), "--workers", "1", "--no-progress", "--json"]) == 3
     out, err = capsys.readouterr()
     assert json.loads(out) | {"index": "", "fingerprint": ""} == {
-        "index": "", "fingerprint": "", "samples": GOOD, "shards": 1, "errors": 0, "damaged": BAD}
+        "index": "",
+        "fingerprint": "",
+        "samples": GOOD,
+        "shards": 1,
+        "errors": 0,
+        "damaged": BAD,
+        "classes": 0,
+    }
     lines = [line for line in err.splitlines() if line.startswith("omnifeed: damaged (header): ")]
     assert len(lines) == BAD and all(f"'{key}.jpg'" in line for key, line in zip(damaged, lines))
     assert f"{BAD} damaged sample(s) left out" in err
-    assert main(["index", str(shard), "--out", str(tmp_path / "b"), "--strict", "--workers", "1",
-                 "--no-progress"]) == 1
+    assert main(["index", str(shard), "--out", str(tmp_path / "b"), "--strict", "--workers", "1", "--no-progress"]) == 1
     assert "no sample could be indexed" in capsys.readouterr().err and not (tmp_path / "b").exists()
 
 
@@ -119,12 +128,16 @@ def test_a_shard_whose_every_sample_is_damaged_is_refused_and_still_lists_them(t
 
 def test_damage_inside_one_sample_costs_that_sample(tmp_path: Path) -> None:
     image = encode_image(8, 8, "png")
-    shard = _tar(tmp_path / "t.tar", [("a.png", image), ("b.png", image), ("b.PNG", image), ("c.txt", b"\xff\xfe"),
-                                      ("d.png", image)])
+    shard = _tar(
+        tmp_path / "t.tar",
+        [("a.png", image), ("b.png", image), ("b.PNG", image), ("c.txt", b"\xff\xfe"), ("d.png", image)],
+    )
     scan = scan_shard(ShardSpec(str(shard), "tar"), CONFIG)
     assert [s.key for s in scan.samples] == ["a", "d"]
-    assert [(d.key, d.member, d.reason) for d in scan.damaged] == [("b", "b.PNG", "field_twice"),
-                                                                   ("c", "c.txt", "encoding")]
+    assert [(d.key, d.member, d.reason) for d in scan.damaged] == [
+        ("b", "b.PNG", "field_twice"),
+        ("c", "c.txt", "encoding"),
+    ]
 
 
 @pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar makes the sparse archive")
@@ -135,8 +148,13 @@ def test_the_samples_before_a_sparse_member_are_kept_and_it_and_the_rest_named(t
         f.truncate(10**8)
         f.write(b"data")
     (tmp_path / "z.txt").write_text("after")
-    run = subprocess.run(["tar", "--sparse", "--format=gnu", "-cf", "s.tar", "a.txt", "b.txt", "big.txt", "z.txt"],
-                         cwd=tmp_path, capture_output=True, text=True, check=False)
+    run = subprocess.run(
+        ["tar", "--sparse", "--format=gnu", "-cf", "s.tar", "a.txt", "b.txt", "big.txt", "z.txt"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if run.returncode != 0:
         pytest.skip(f"this tar cannot write sparse members: {run.stderr.strip()}")
     scan = scan_shard(ShardSpec(str(tmp_path / "s.tar"), "tar"), CONFIG)
@@ -151,8 +169,11 @@ def test_the_samples_before_a_sparse_member_are_kept_and_it_and_the_rest_named(t
 def test_a_parquet_row_whose_image_header_is_damaged_costs_that_row(tmp_path: Path) -> None:
     images = [encode_image(8, 8, "png", seed=i) for i in range(5)]
     images[2] = b"\x89PNG\r\n\x1a\n truncated"
-    pq.write_table(pa.table({"image": pa.array(images, pa.binary()), "label": [0, 1, 2, 3, 4]}), tmp_path / "t.parquet",
-                   row_group_size=2)
+    pq.write_table(
+        pa.table({"image": pa.array(images, pa.binary()), "label": [0, 1, 2, 3, 4]}),
+        tmp_path / "t.parquet",
+        row_group_size=2,
+    )
     scan = scan_shard(ShardSpec(str(tmp_path / "t.parquet"), "parquet"), CONFIG)
     assert [s.key for s in scan.samples] == ["t/0", "t/1", "t/3", "t/4"]
     assert [(d.key, d.member, d.reason) for d in scan.damaged] == [("t/2", "image", "header")]

@@ -77,10 +77,14 @@ def _damage(path: Path, flips: list[tuple[float, int]], keep: float, start: int 
 
 @pytest.mark.timeout(120)
 @FUZZ
-@given(file=st.sampled_from(["manifest.json", "part-00000.arrow", "part-00001.arrow", "shards.parquet"]),
-       flips=FLIPS, keep=KEEP)
-def test_a_damaged_index_file_opens_or_raises_index_format_error(index_dir: Path, work: Path, file: str,
-                                                                 flips: list[tuple[float, int]], keep: float) -> None:
+@given(
+    file=st.sampled_from(["manifest.json", "part-00000.arrow", "part-00001.arrow", "shards.parquet"]),
+    flips=FLIPS,
+    keep=KEEP,
+)
+def test_a_damaged_index_file_opens_or_raises_index_format_error(
+    index_dir: Path, work: Path, file: str, flips: list[tuple[float, int]], keep: float
+) -> None:
     copy = _fresh_copy(index_dir, work)
     _damage(copy / file, flips, keep)
     _opens_and_reads_or_index_format_error(copy)
@@ -123,7 +127,7 @@ def _mutated(value: Any, data: st.DataObject) -> Any:
         return {**value, name: _mutated(value[name], data)}
     if isinstance(value, list) and value and data.draw(st.booleans()):
         at = data.draw(st.integers(0, len(value) - 1))
-        return [*value[:at], _mutated(value[at], data), *value[at + 1:]]
+        return [*value[:at], _mutated(value[at], data), *value[at + 1 :]]
     return data.draw(JSON)
 
 
@@ -184,17 +188,21 @@ def _null_key(path: Path) -> None:
 # each of these raised something else before (AttributeError, TypeError, ArrowInvalid, OSError, TokenError, ...)
 KNOWN_DAMAGE = {
     "manifest-is-a-list": lambda p: _replace_manifest(p, [1, 2]),
-    "num-samples-null": lambda p: _replace_manifest(p, {**json.loads((p / "manifest.json").read_text()),
-                                                        "num_samples": None}),
-    "partitions-missing": lambda p: _replace_manifest(p, {**json.loads((p / "manifest.json").read_text()),
-                                                          "partitions": None}),
+    "num-samples-null": lambda p: _replace_manifest(
+        p, {**json.loads((p / "manifest.json").read_text()), "num_samples": None}
+    ),
+    "partitions-missing": lambda p: _replace_manifest(
+        p, {**json.loads((p / "manifest.json").read_text()), "partitions": None}
+    ),
     "arrow-copy-truncated": lambda p: _truncate(p / "part-00000.arrow"),
     "arrow-copy-with-a-null-key": _null_key,
     "shards-table-truncated": lambda p: _truncate(p / "shards.parquet"),
-    "shards-table-without-urls": lambda p: pq.write_table(pa.table({"kind": ["tar"], "num_samples": [48]}),
-                                                          p / "shards.parquet"),
+    "shards-table-without-urls": lambda p: pq.write_table(
+        pa.table({"kind": ["tar"], "num_samples": [48]}), p / "shards.parquet"
+    ),
     "by-shard-header-unbalanced": lambda p: (p / "by_shard.npy").write_bytes(
-        (p / "by_shard.npy").read_bytes().replace(b"(48,)", b"(48,(")),
+        (p / "by_shard.npy").read_bytes().replace(b"(48,)", b"(48,(")
+    ),
     "by-shard-truncated": lambda p: _truncate(p / "by_shard.npy"),
 }
 

@@ -19,10 +19,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omnifeed.loader import IndexConfig
-from omnifeed.loader.decode._registry import make_decoder
+from omnifeed.loader._errors import SourceError
 from omnifeed.loader.decode._common import DecodeError
 from omnifeed.loader.decode._config import DecodeConfig
-from omnifeed.loader._errors import SourceError
+from omnifeed.loader.decode._registry import make_decoder
 from omnifeed.loader.index._records import ShardScan, ShardSpec
 from omnifeed.loader.index._scan import scan_shard
 from omnifeed.loader.index._sources import read_field
@@ -87,8 +87,16 @@ def _small_tar(members: list[tuple[str, bytes]]) -> bytes:
 
 TEXT_TAR = _small_tar([("a.txt", b"hello"), ("a.json", b'{"x": 1}'), ("b.txt", b"x" * 700), ("c/d.txt", b"yo")])
 HEADERS = (0, 1024, 1536, 3072)  # where TEXT_TAR's member headers start
-TAR_FIELDS = {"name": (0, 100), "mode": (100, 108), "size": (124, 136), "type": (156, 157),
-              "link": (157, 257), "magic": (257, 265), "prefix": (345, 500), "anywhere": (0, 512)}
+TAR_FIELDS = {
+    "name": (0, 100),
+    "mode": (100, 108),
+    "size": (124, 136),
+    "type": (156, 157),
+    "link": (157, 257),
+    "magic": (257, 265),
+    "prefix": (345, 500),
+    "anywhere": (0, 512),
+}
 
 
 def _with_checksum(header: bytearray) -> None:
@@ -99,19 +107,25 @@ def _with_checksum(header: bytearray) -> None:
 
 @pytest.mark.timeout(120)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
-@given(header=st.sampled_from(HEADERS), field=st.sampled_from(sorted(TAR_FIELDS)), data=st.data(),
-       checksum=st.booleans(), keep=KEEP)
-def test_damaged_tar_headers_scan_or_raise_a_source_error(work: Path, header: int, field: str, data: st.DataObject,
-                                                          checksum: bool, keep: float) -> None:
+@given(
+    header=st.sampled_from(HEADERS),
+    field=st.sampled_from(sorted(TAR_FIELDS)),
+    data=st.data(),
+    checksum=st.booleans(),
+    keep=KEEP,
+)
+def test_damaged_tar_headers_scan_or_raise_a_source_error(
+    work: Path, header: int, field: str, data: st.DataObject, checksum: bool, keep: float
+) -> None:
     tar = bytearray(TEXT_TAR)
     start, end = TAR_FIELDS[field]
     special = st.sampled_from(b"\0 /.7LKxgSD5\xff\x80")
     for _ in range(data.draw(st.integers(1, 6))):
         tar[header + data.draw(st.integers(start, end - 1))] = data.draw(special | st.integers(0, 255))
     if checksum:
-        block = tar[header:header + 512]
+        block = tar[header : header + 512]
         _with_checksum(block)
-        tar[header:header + 512] = block
+        tar[header : header + 512] = block
     path = work / "header.tar"
     path.write_bytes(bytes(tar[: int(len(tar) * keep)]))
     scan = _scan_or_source_error(ShardSpec(str(path), "tar"))
@@ -131,16 +145,18 @@ def test_a_member_name_that_is_not_utf8_is_a_source_error_naming_it(work: Path) 
     assert r"\udcff\udcfetxt" in str(caught.value)
 
 
-NAME_PARTS = st.sampled_from(["a", "B", "..", ".", "", "x.txt", "y.JPG", ".hidden", "__key__", "é", "文", "a.b.c",
-                              "\\", " ", "z.tar"])
+NAME_PARTS = st.sampled_from(
+    ["a", "B", "..", ".", "", "x.txt", "y.JPG", ".hidden", "__key__", "é", "文", "a.b.c", "\\", " ", "z.tar"]
+)
 MEMBER_NAMES = st.lists(NAME_PARTS, min_size=1, max_size=4).map("/".join) | st.text(max_size=30)
 
 
 @pytest.mark.timeout(120)
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 @given(names=st.lists(MEMBER_NAMES, min_size=1, max_size=5), absolute=st.booleans())
-def test_any_member_names_scan_to_relative_keys_or_raise_a_source_error(work: Path, names: list[str],
-                                                                        absolute: bool) -> None:
+def test_any_member_names_scan_to_relative_keys_or_raise_a_source_error(
+    work: Path, names: list[str], absolute: bool
+) -> None:
     names = [("/" + n if absolute and i == 0 else n) for i, n in enumerate(names)]
     try:
         data = _small_tar([(name, name.encode("utf-8", "surrogatepass")[:40]) for name in names])
@@ -196,8 +212,9 @@ def seeds(small_tar: bytes, small_parquet: bytes) -> dict[str, bytes]:
 @pytest.mark.parametrize("kind", ["tar", "parquet"])
 @FUZZ
 @given(flips=FLIPS, keep=KEEP)
-def test_a_damaged_shard_scans_or_raises_a_source_error(work: Path, seeds: dict[str, bytes], kind: str,
-                                                        flips: list[tuple[float, int]], keep: float) -> None:
+def test_a_damaged_shard_scans_or_raises_a_source_error(
+    work: Path, seeds: dict[str, bytes], kind: str, flips: list[tuple[float, int]], keep: float
+) -> None:
     path = work / f"damaged.{kind}"
     path.write_bytes(_damage(seeds[kind], flips, keep))
     scan = _scan_or_source_error(ShardSpec(str(path), kind))
@@ -219,23 +236,38 @@ def test_a_shard_damaged_after_indexing_reads_back_or_raises_a_source_error(
     _read_and_decode_everything(scan)
 
 
-_INVALID_UTF8 = pa.Array.from_buffers(pa.string(), 2, [None, pa.py_buffer(b"\0\0\0\0\2\0\0\0\4\0\0\0"),
-                                                       pa.py_buffer(b"a\xffcd")])
-COLUMNS = st.sampled_from([
-    pa.array([b"\x00\xff", None]), pa.array(["naïve", None]), _INVALID_UTF8, pa.array([1, 2**62]),
-    pa.array([1.5, float("nan")]), pa.array([[1, 2], None]), pa.array([{"a": "x"}, {"a": None}]),
-    pa.array([2**62, 0], pa.timestamp("ms")), pa.array([datetime.date(2000, 1, 1), None]),
-    pa.array([True, False]), pa.array(["x", "y"]).dictionary_encode(), pa.array([None, None], pa.null()),
-    pa.array([2**40, 1], pa.duration("s")), pa.array([[("k", 1)], []], pa.map_(pa.string(), pa.int32())),
-])
+_INVALID_UTF8 = pa.Array.from_buffers(
+    pa.string(), 2, [None, pa.py_buffer(b"\0\0\0\0\2\0\0\0\4\0\0\0"), pa.py_buffer(b"a\xffcd")]
+)
+COLUMNS = st.sampled_from(
+    [
+        pa.array([b"\x00\xff", None]),
+        pa.array(["naïve", None]),
+        _INVALID_UTF8,
+        pa.array([1, 2**62]),
+        pa.array([1.5, float("nan")]),
+        pa.array([[1, 2], None]),
+        pa.array([{"a": "x"}, {"a": None}]),
+        pa.array([2**62, 0], pa.timestamp("ms")),
+        pa.array([datetime.date(2000, 1, 1), None]),
+        pa.array([True, False]),
+        pa.array(["x", "y"]).dictionary_encode(),
+        pa.array([None, None], pa.null()),
+        pa.array([2**40, 1], pa.duration("s")),
+        pa.array([[("k", 1)], []], pa.map_(pa.string(), pa.int32())),
+    ]
+)
 
 
 @pytest.mark.timeout(120)
 @FUZZ
-@given(key=COLUMNS, columns=st.dictionaries(st.sampled_from(["txt", "json", "jpg", "flac", "cls", "TXT"]), COLUMNS,
-                                            max_size=3))
-def test_parquet_columns_of_any_type_scan_or_raise_a_source_error(work: Path, key: pa.Array,
-                                                                  columns: dict[str, pa.Array]) -> None:
+@given(
+    key=COLUMNS,
+    columns=st.dictionaries(st.sampled_from(["txt", "json", "jpg", "flac", "cls", "TXT"]), COLUMNS, max_size=3),
+)
+def test_parquet_columns_of_any_type_scan_or_raise_a_source_error(
+    work: Path, key: pa.Array, columns: dict[str, pa.Array]
+) -> None:
     path = work / "typed.parquet"
     pq.write_table(pa.table({"__key__": key, **columns}), path)
     scan = _scan_or_source_error(ShardSpec(str(path), "parquet"))

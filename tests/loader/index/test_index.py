@@ -56,7 +56,10 @@ def test_lengths_match_what_was_generated(tar_index: SampleIndex, demo_truth: li
             assert (lengths.image_width, lengths.image_height) == (expected.width, expected.height)
         if expected.kind == "video":
             assert (lengths.video_frames, lengths.video_width, lengths.video_height) == (
-                expected.frames, expected.width, expected.height)
+                expected.frames,
+                expected.width,
+                expected.height,
+            )
             assert lengths.video_fps == pytest.approx(expected.fps)
         if expected.kind == "audio":
             assert lengths.audio_sample_rate == expected.sample_rate
@@ -68,7 +71,9 @@ def test_lengths_match_what_was_generated(tar_index: SampleIndex, demo_truth: li
 def test_every_field_reads_back_by_its_index_location(
     layout: str, demo_shards: list[Path], demo_parquet: Path, demo_folder: Path, demo_truth: list, tmp_path: Path
 ) -> None:
-    sources = {"tar": [str(p) for p in demo_shards], "parquet": [str(demo_parquet)], "folder": [str(demo_folder)]}[layout]
+    sources = {"tar": [str(p) for p in demo_shards], "parquet": [str(demo_parquet)], "folder": [str(demo_folder)]}[
+        layout
+    ]
     report = build_index(sources, tmp_path / "index", IndexConfig(partitions=3, workers=1), progress=False)
     assert report.ok, report.errors
     index, truth = SampleIndex(report.path), _truth_by_key(demo_truth)
@@ -100,7 +105,10 @@ def test_fingerprint_is_reproducible_and_follows_content(demo_shards: list[Path]
     moved = [str(changed / p.name) for p in demo_shards]
     three = build_index(moved, tmp_path / "c", IndexConfig(workers=1), progress=False)
     assert three.fingerprint != one.fingerprint
-    assert build_index(sources, tmp_path / "d", IndexConfig(tokenizer="bytes"), progress=False).fingerprint != one.fingerprint
+    assert (
+        build_index(sources, tmp_path / "d", IndexConfig(tokenizer="bytes"), progress=False).fingerprint
+        != one.fingerprint
+    )
 
 
 def test_a_bad_shard_is_named_and_the_rest_still_indexed(demo_shards: list[Path], tmp_path: Path) -> None:
@@ -156,7 +164,7 @@ def test_positions_of_unknown_keys_are_minus_one(tar_index: SampleIndex) -> None
 
 def test_by_shard_order_lists_each_shard_in_member_order(tar_index: SampleIndex, demo_shards: list[Path]) -> None:
     starts = np.concatenate([[0], np.cumsum(tar_index.shard_sizes)])
-    first_shard = tar_index.by_shard[starts[0]:starts[1]]
+    first_shard = tar_index.by_shard[starts[0] : starts[1]]
     offsets = [tar_index.sample(int(p)).fields[0].offset for p in first_shard]
     assert offsets == sorted(offsets)
     assert {tar_index.sample(int(p)).shard.url for p in first_shard} == {str(demo_shards[0])}
@@ -188,7 +196,9 @@ class _FlakyMemoryFS:
 
 
 @pytest.mark.parametrize("failures,indexed", [(2, True), (3, False)])
-def test_storage_errors_are_retried_then_reported(demo_shards: list[Path], tmp_path: Path, failures: int, indexed: bool) -> None:
+def test_storage_errors_are_retried_then_reported(
+    demo_shards: list[Path], tmp_path: Path, failures: int, indexed: bool
+) -> None:
     import fsspec
 
     _FlakyMemoryFS.register(failures)

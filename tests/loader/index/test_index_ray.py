@@ -42,7 +42,9 @@ class FakeRay:
                     fake.in_flight.append(ref)
                     fake.most = max(fake.most, len(fake.in_flight))
                     return ref
+
             return Task
+
         return wrap
 
     def wait(self, refs: list[Any], num_returns: int) -> tuple[list[Any], list[Any]]:

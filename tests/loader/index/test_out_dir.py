@@ -51,7 +51,10 @@ def test_an_index_is_replaced_by_the_new_one_as_a_whole(tmp_path: Path) -> None:
     build_index([shard(tmp_path / "b.tar", ["b1"])], out, CONFIG.model_copy(update={"partitions": 1}), progress=False)
     index = SampleIndex(out)
     assert index.keys(range(index.num_samples)) == ["b1"]
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("part-")) == ["part-00000.arrow", "part-00000.parquet"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("part-")) == [
+        "part-00000.arrow",
+        "part-00000.parquet",
+    ]
     assert leftovers(tmp_path) == []
 
 
@@ -121,3 +124,55 @@ def test_writing_an_index_from_tables_follows_the_same_rule(tmp_path: Path) -> N
         write_index_from_tables([ROW_SCHEMA.empty_table()], [], [], folder)
     assert (folder / "notes.txt").read_text(encoding="utf-8") == "keep me"
     assert sorted(p.name for p in folder.iterdir()) == ["notes.txt"]
+
+
+def _owner(folder: Path, **owner: object) -> Path:
+    """``folder`` made as a building folder whose owner file says ``owner``."""
+    from omnifeed.loader.index._out_dir import BUILD_OWNER
+
+    folder.mkdir()
+    (folder / BUILD_OWNER).write_text(json.dumps(owner))
+    (folder / "part-00000.parquet").write_bytes(b"partial")
+    return folder
+
+
+def test_a_building_folder_left_by_a_killed_run_is_removed_by_the_next_run_and_nothing_else(tmp_path: Path) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from omnifeed.loader.index._out_dir import _started
+
+    out = tmp_path / "index"
+    killed = subprocess.run(  # a run that made its building folder and died without cleaning up (as after SIGKILL)
+        [
+            sys.executable,
+            "-c",
+            "import sys, pathlib; from omnifeed.loader.index._out_dir import building_folder; "
+            "print(building_folder(pathlib.Path(sys.argv[1])))",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    left = Path(killed.stdout.strip())
+    dead = int(
+        subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    (left / ".spill").mkdir()
+    (left / ".spill" / "0.arrows").write_bytes(b"\0" * 4096)
+    host = socket.gethostname()
+    running = _owner(tmp_path / ".index.building-running", pid=os.getppid(), host=host, start=_started(os.getppid()))
+    elsewhere = _owner(tmp_path / ".index.building-node7", pid=dead, host="node7", start=None)
+    unmarked = tmp_path / ".index.building-notes"
+    unmarked.mkdir()
+    (unmarked / "notes.txt").write_text("mine")
+    other_out = _owner(tmp_path / ".other.building-x", pid=dead, host=host, start=None)
+    build([shard(tmp_path / "a.tar", ["a1"])], out)
+    assert not left.exists(), "its process is gone: provably a dead build of this --out"
+    assert running.exists() and elsewhere.exists() and (unmarked / "notes.txt").read_text() == "mine"
+    assert other_out.exists(), "another --out's building folder is that build's business"

@@ -100,8 +100,14 @@ def test_read_field_returns_the_exact_bytes_of_every_tar_field(tmp_path, media):
 @pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT, tarfile.USTAR_FORMAT])
 def test_tar_skips_folders_hidden_and_meta_members_and_reads_long_names(tmp_path, fmt):
     long_key = "deep/" * 20 + "k" if fmt != tarfile.USTAR_FORMAT else "k"  # beyond 100 chars: extra headers
-    members = [("deep/", b""), ("._a.jpg", b"mac junk"), ("__index__", b"{}"), (f"{long_key}.txt", b"one two"),
-               (f"{long_key}.Meta.JSON", b"[]"), ("README", b"no extension")]
+    members = [
+        ("deep/", b""),
+        ("._a.jpg", b"mac junk"),
+        ("__index__", b"{}"),
+        (f"{long_key}.txt", b"one two"),
+        (f"{long_key}.Meta.JSON", b"[]"),
+        ("README", b"no extension"),
+    ]
     scan = scan_shard(ShardSpec(str(raw_tar(tmp_path / "t.tar", members, fmt)), "tar"), CONFIG)
     [sample] = scan.samples
     assert sample.key == long_key and [f.name for f in sample.fields] == ["meta.json", "txt"]
@@ -210,7 +216,10 @@ def test_brace_lists_and_globs_expand_in_order_without_duplicates(tmp_path, medi
     (tmp_path / "notes.md").write_text("ignored by globs")
     shards = expand_sources([f"{tmp_path}/shard-{{002..000}}.tar", f"{tmp_path}/*", f"file://{tmp_path}/shard-001.tar"])
     assert [(Path(s.url).name, s.kind) for s in shards] == [
-        ("shard-002.tar", "tar"), ("shard-001.tar", "tar"), ("shard-000.tar", "tar"), ("folder", "folder")
+        ("shard-002.tar", "tar"),
+        ("shard-001.tar", "tar"),
+        ("shard-000.tar", "tar"),
+        ("folder", "folder"),
     ]
     chained = expand_sources([f"simplecache::file://{tmp_path}/shard-00{{0,1}}.tar"])
     assert [s.url for s in chained] == [f"simplecache::file://{tmp_path}/shard-00{i}.tar" for i in (0, 1)]
@@ -289,8 +298,11 @@ def test_malformed_tar_members_are_errors_naming_shard_and_key(tmp_path, members
 def test_members_of_a_key_appearing_again_are_left_out_and_named_the_first_kept(tmp_path):
     path = raw_tar(tmp_path / "t.tar", [("a.txt", b"1"), ("b.txt", b"2"), ("a.jpg", b"3"), ("c.txt", b"4")])
     scan = scan_shard(ShardSpec(str(path), "tar"), CONFIG)
-    assert [(s.key, [f.name for f in s.fields]) for s in scan.samples] == [("a", ["txt"]), ("b", ["txt"]),
-                                                                          ("c", ["txt"])]
+    assert [(s.key, [f.name for f in s.fields]) for s in scan.samples] == [
+        ("a", ["txt"]),
+        ("b", ["txt"]),
+        ("c", ["txt"]),
+    ]
     [damaged] = scan.damaged
     assert (damaged.key, damaged.member, damaged.reason) == ("a", "a.jpg", "not_adjacent")
     assert "must be adjacent" in damaged.error and str(path) in damaged.error

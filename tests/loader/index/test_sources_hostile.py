@@ -23,7 +23,7 @@ import pytest
 
 from omnifeed.loader import IndexConfig, SampleIndex, build_index
 from omnifeed.loader._errors import OmnifeedError, SourceError
-from omnifeed.loader.index._parquet_pages import MAX_EXCESS, _Thrift
+from omnifeed.loader.index._parquet_pages import _Thrift
 from omnifeed.loader.index._records import FieldLocation, ShardSpec
 from omnifeed.loader.index._scan import scan_shard
 from omnifeed.loader.index._sources import read_field
@@ -61,16 +61,22 @@ def _scan_peak(path: Path) -> tuple[SourceError, int]:
 
 
 @pytest.mark.skipif(shutil.which("tar") is None, reason="GNU tar makes the sparse archives")
-@pytest.mark.parametrize("options", [["--format=gnu"], *(["--format=posix", f"--sparse-version={v}"]
-                                                        for v in ("0.0", "0.1", "1.0"))])
+@pytest.mark.parametrize(
+    "options", [["--format=gnu"], *(["--format=posix", f"--sparse-version={v}"] for v in ("0.0", "0.1", "1.0"))]
+)
 def test_a_sparse_member_made_by_gnu_tar_is_refused_without_expanding_it(tmp_path: Path, options: list[str]) -> None:
     (tmp_path / "a.txt").write_bytes(b"fine")
     with open(tmp_path / "big.txt", "wb") as f:  # 1.5 GB of holes around one block of data
         f.truncate(DECLARED)
         f.seek(10**6)
         f.write(b"data")
-    run = subprocess.run(["tar", "--sparse", *options, "-cf", "sparse.tar", "a.txt", "big.txt"], cwd=tmp_path,
-                         capture_output=True, text=True, check=False)
+    run = subprocess.run(
+        ["tar", "--sparse", *options, "-cf", "sparse.tar", "a.txt", "big.txt"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if run.returncode != 0:
         pytest.skip(f"this tar cannot write {options}: {run.stderr.strip()}")
     assert (tmp_path / "sparse.tar").stat().st_size < 64 * 1024
@@ -120,8 +126,10 @@ def _base256(size: int) -> bytes:
 
 
 def _pax(kind: bytes, records: dict[str, str]) -> bytes:
-    data = b"".join(b"%d %s=%s\n" % (len(f" {k}={v}\n") + len(str(len(f" {k}={v}\n") + 2)), k.encode(), v.encode())
-                    for k, v in records.items())
+    data = b"".join(
+        b"%d %s=%s\n" % (len(f" {k}={v}\n") + len(str(len(f" {k}={v}\n") + 2)), k.encode(), v.encode())
+        for k, v in records.items()
+    )
     header = bytearray(tarfile.TarInfo("pax_header").tobuf(format=tarfile.USTAR_FORMAT))
     header[156:157], header[124:136] = kind, b"%011o\0" % len(data)
     _checksum(header)
@@ -130,7 +138,9 @@ def _pax(kind: bytes, records: dict[str, str]) -> bytes:
 
 @pytest.mark.timeout(60)  # before: tarfile skipped 2^62 declared bytes a buffer at a time, forever
 def test_a_member_of_any_type_declaring_data_past_the_shard_is_refused_before_tarfile_skips_it(tmp_path: Path) -> None:
-    tar = bytearray(_tar(tmp_path / "x.tar", [("a.txt", b"small"), ("b.txt", b"x" * 100), ("c.txt", b"y")]).read_bytes())
+    tar = bytearray(
+        _tar(tmp_path / "x.tar", [("a.txt", b"small"), ("b.txt", b"x" * 100), ("c.txt", b"y")]).read_bytes()
+    )
     header = tar[1024:1536]
     header[156:157], header[124:136] = b"V", _base256(2**62)  # a type tarfile does not know: skipped by its size
     _checksum(header)
@@ -177,30 +187,34 @@ def _varint(n: int) -> bytes:
     return bytes(out + bytes([n]))
 
 
-def _zstd_bomb(path: Path, size: int = BOMB, page_declares: int | None = None,
-               footer_declares: int | None = None) -> Path:
+def _zstd_bomb(
+    path: Path, size: int = BOMB, page_declares: int | None = None, footer_declares: int | None = None
+) -> Path:
     """A Parquet file, column ``img``, whose one cell is ``size`` zeros: 1 MiB zstd frames, made without holding them.
 
     ``page_declares``/``footer_declares``: the decompressed size its page header / footer claim instead (a lie).
     """
     mib = 2**20
-    pq.write_table(pa.table({"img": [bytes(mib)]}), path, compression="zstd", use_dictionary=False,
-                   write_statistics=False)
+    pq.write_table(
+        pa.table({"img": [bytes(mib)]}), path, compression="zstd", use_dictionary=False, write_statistics=False
+    )
     data = path.read_bytes()
     start = pq.ParquetFile(path).metadata.row_group(0).column(0).data_page_offset
-    reader = _Thrift(data[start:start + 4096])
+    reader = _Thrift(data[start : start + 4096])
     fields = reader.struct()
-    head, old_u, old_c = data[start:start + reader.pos], fields[2], fields[3]
-    raw = pa.decompress(data[start + len(head):start + len(head) + old_c], old_u, codec="zstd").to_pybytes()
-    prefix = raw[:-mib - 4] + struct.pack("<I", size)  # the definition levels, then the value's length
+    head, old_u, old_c = data[start : start + reader.pos], fields[2], fields[3]
+    raw = pa.decompress(data[start + len(head) : start + len(head) + old_c], old_u, codec="zstd").to_pybytes()
+    prefix = raw[: -mib - 4] + struct.pack("<I", size)  # the definition levels, then the value's length
     frame = pa.compress(bytes(mib), codec="zstd").to_pybytes()
     body = pa.compress(prefix, codec="zstd").to_pybytes() + frame * (size // mib)  # zstd frames concatenate
     new_u = len(prefix) + size
     new_head = head.replace(_varint(old_u * 2), _varint((page_declares or new_u) * 2), 1)
     new_head = new_head.replace(_varint(old_c * 2), _varint(len(body) * 2), 1)
-    footer = data[start + len(head) + old_c:-8]
-    for old, new in ((old_u + len(head), footer_declares or new_u + len(new_head)),
-                     (old_c + len(head), len(body) + len(new_head))):
+    footer = data[start + len(head) + old_c : -8]
+    for old, new in (
+        (old_u + len(head), footer_declares or new_u + len(new_head)),
+        (old_c + len(head), len(body) + len(new_head)),
+    ):
         assert footer.count(_varint(old * 2)) >= 1
         footer = footer.replace(_varint(old * 2), _varint(new * 2))
     path.write_bytes(data[:start] + new_head + body + footer + struct.pack("<I", len(footer)) + b"PAR1")
@@ -239,7 +253,8 @@ def _scan_and_read(path: Path) -> tuple[list[str], int, int]:
 
 @pytest.mark.parametrize("lie", ["honest", "footer_declares_1_kb"])
 def test_a_parquet_decompression_bomb_is_refused_from_its_page_headers_before_arrow_decompresses_it(
-        tmp_path: Path, lie: str) -> None:
+    tmp_path: Path, lie: str
+) -> None:
     bomb = _zstd_bomb(tmp_path / "bomb.parquet", footer_declares=1024 if lie != "honest" else None)
     assert bomb.stat().st_size < 64 * 1024
     chunk = pq.ParquetFile(bomb).metadata.row_group(0).column(0)
@@ -255,7 +270,8 @@ def test_a_parquet_decompression_bomb_is_refused_from_its_page_headers_before_ar
 
 
 def test_a_page_header_declaring_less_than_its_data_holds_fails_in_arrow_without_decompressing_it(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     bomb = _zstd_bomb(tmp_path / "bomb.parquet", page_declares=2**20)  # passes the bound: 1 MiB declared
     errors, arrow_peak, _ = _scan_and_read(bomb)
     assert len(errors) == 2
@@ -267,10 +283,18 @@ def test_a_page_header_declaring_less_than_its_data_holds_fails_in_arrow_without
 def test_real_columns_and_a_compressible_cell_under_the_bound_are_read(tmp_path: Path) -> None:
     path = tmp_path / "fine.parquet"
     rows = 200
-    table = pa.table({"__key__": [f"k{i}" for i in range(rows)], "blob": [os.urandom(64 * 1024) for _ in range(rows)],
-                      "text": [("a caption about a cat " * 40) for _ in range(rows)]})
-    for options in ({"compression": "zstd"}, {"compression": "gzip", "data_page_version": "2.0"},
-                    {"compression": "snappy", "use_dictionary": False, "write_page_index": True}):
+    table = pa.table(
+        {
+            "__key__": [f"k{i}" for i in range(rows)],
+            "blob": [os.urandom(64 * 1024) for _ in range(rows)],
+            "text": [("a caption about a cat " * 40) for _ in range(rows)],
+        }
+    )
+    for options in (
+        {"compression": "zstd"},
+        {"compression": "gzip", "data_page_version": "2.0"},
+        {"compression": "snappy", "use_dictionary": False, "write_page_index": True},
+    ):
         pq.write_table(table, path, **options)
         scan = scan_shard(ShardSpec(str(path), "parquet"), CONFIG)
         assert len(scan.samples) == rows
@@ -278,7 +302,6 @@ def test_real_columns_and_a_compressible_cell_under_the_bound_are_read(tmp_path:
     scan = scan_shard(small, IndexConfig(workers=1, partitions=2, modalities={"img": "meta"}))
     assert [s.key for s in scan.samples] == ["small/0"]
     assert read_field(small, FieldLocation("img", "meta", "img", -1, 8 * 2**20), row_group=0, row=0) == bytes(8 * 2**20)
-
 
 
 def _folder(tmp_path: Path) -> Path:
@@ -323,8 +346,11 @@ def test_a_linked_subfolder_is_refused_naming_the_link(tmp_path: Path, target: s
     elsewhere = folder / "sub" if target == "inside" else tmp_path / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
     (folder / name).symlink_to(elsewhere)
-    with pytest.raises(SourceError, match=rf"folder: '{name}' is a symbolic link to the folder .*{elsewhere.name} "
-                                          rf"\({target} the folder\); linked folders are not followed"):
+    with pytest.raises(
+        SourceError,
+        match=rf"folder: '{name}' is a symbolic link to the folder .*{elsewhere.name} "
+        rf"\({target} the folder\); linked folders are not followed",
+    ):
         scan_shard(ShardSpec(str(folder), "folder"), CONFIG)
 
 
@@ -334,7 +360,11 @@ def test_links_to_files_inside_the_folder_are_read_and_a_dangling_one_is_named(t
     (folder / "d.txt").symlink_to(folder / "sub" / "b.txt")
     scan = scan_shard(ShardSpec(str(folder), "folder"), CONFIG)
     assert {s.key: read_field(scan.shard, s.fields[0]) for s in scan.samples} == {
-        "a": b"mine", "d": b"also mine", "sub/b": b"also mine", "sub/c": b"mine"}
+        "a": b"mine",
+        "d": b"also mine",
+        "sub/b": b"also mine",
+        "sub/c": b"mine",
+    }
     (folder / "e.txt").symlink_to("gone.txt")
     with pytest.raises(SourceError, match=r"'e\.txt' is a symbolic link to .*gone\.txt, which does not exist"):
         scan_shard(ShardSpec(str(folder), "folder"), CONFIG)
@@ -403,8 +433,17 @@ def test_a_link_swapped_in_while_fields_are_read_never_returns_the_outside_file(
     assert field.member == "a.txt"
     (tmp_path / "staging").mkdir()
     (tmp_path / "swapper.py").write_text(_SWAPPER)
-    swapper = subprocess.Popen([sys.executable, str(tmp_path / "swapper.py"), str(folder), str(tmp_path / "secret.txt"),
-                                str(tmp_path / "staging")], stdout=subprocess.PIPE, text=True)
+    swapper = subprocess.Popen(
+        [
+            sys.executable,
+            str(tmp_path / "swapper.py"),
+            str(folder),
+            str(tmp_path / "secret.txt"),
+            str(tmp_path / "staging"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     outcomes = {"mine": 0, "refused": 0}
     try:
         assert swapper.stdout is not None and swapper.stdout.readline() == "swapping\n"
@@ -436,13 +475,17 @@ def _files(folder: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in folder.iterdir()}
 
 
-@pytest.mark.parametrize("contents", [
-    {"notes.txt": b"my notes"},
-    {"manifest.json": b'{"name": "my project"}', "data.bin": b"\0\1"},  # a manifest.json that is not omnifeed's
-    {"manifest.json": json.dumps({"format": "omnifeed.index/1"}).encode(), "data.bin": b"\0\1"},
-])
-def test_index_out_over_a_folder_with_foreign_files_is_refused_and_leaves_them(tmp_path: Path, shard: Path,
-                                                                                contents: dict[str, bytes]) -> None:
+@pytest.mark.parametrize(
+    "contents",
+    [
+        {"notes.txt": b"my notes"},
+        {"manifest.json": b'{"name": "my project"}', "data.bin": b"\0\1"},  # a manifest.json that is not omnifeed's
+        {"manifest.json": json.dumps({"format": "omnifeed.index/1"}).encode(), "data.bin": b"\0\1"},
+    ],
+)
+def test_index_out_over_a_folder_with_foreign_files_is_refused_and_leaves_them(
+    tmp_path: Path, shard: Path, contents: dict[str, bytes]
+) -> None:
     out = tmp_path / "out"
     out.mkdir()
     for name, data in contents.items():
@@ -494,9 +537,11 @@ def test_a_range_with_missing_shards_names_them_and_counts_those_that_exist(tmp_
     spec = f"{tmp_path}/shards-{{0000..0009}}.tar"
     with pytest.raises(SourceError) as info:
         build_index([spec], tmp_path / "index", CONFIG, progress=False)
-    assert str(info.value) == (f"{spec}: 3 of the 10 paths it names do not exist "
-                               "(shards-0002.tar, shards-0005.tar, shards-0007.tar); 7 exist: create the missing "
-                               "ones or narrow the range")
+    assert str(info.value) == (
+        f"{spec}: 3 of the 10 paths it names do not exist "
+        "(shards-0002.tar, shards-0005.tar, shards-0007.tar); 7 exist: create the missing "
+        "ones or narrow the range"
+    )
     with pytest.raises(SourceError, match=r"none of the 10 paths it names exists \(the first is .*/other-0000\.tar\)"):
         build_index([f"{tmp_path}/other-{{0000..0009}}.tar"], tmp_path / "index", CONFIG, progress=False)
     with pytest.raises(SourceError, match=r"no file or folder matches the pattern .*/nothing-\*\.tar"):
@@ -515,18 +560,22 @@ def test_build_index_runs_in_a_script_with_or_without_a_main_guard(tmp_path: Pat
     call = f"report = build_index({shards!r}, {str(tmp_path / 'index')!r}, IndexConfig(workers=2), progress=False)"
     body = call + "\nprint('indexed', report.num_samples)\n"
     script = "from omnifeed.loader import IndexConfig, build_index\n" + (
-        "if __name__ == '__main__':\n" + textwrap.indent(body, "    ") if guarded else body)
+        "if __name__ == '__main__':\n" + textwrap.indent(body, "    ") if guarded else body
+    )
     (tmp_path / "script.py").write_text(script)
-    run = subprocess.run([sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=240, check=False)
+    run = subprocess.run(
+        [sys.executable, "script.py"], cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False
+    )
     assert run.returncode == 0 and run.stdout.strip() == "indexed 6", run.stderr
 
 
 def test_a_worker_that_finds_build_index_called_while_importing_the_script_exits_at_once(tmp_path: Path) -> None:
     """The backstop, for a pool that does import the script: the worker ends with its own status, silently."""
-    code = ("import multiprocessing\n"
-            "multiprocessing.current_process()._inheriting = True\n"
-            "from omnifeed.loader import build_index\n"
-            "build_index(['nothing'], 'out')\n")
+    code = (
+        "import multiprocessing\n"
+        "multiprocessing.current_process()._inheriting = True\n"
+        "from omnifeed.loader import build_index\n"
+        "build_index(['nothing'], 'out')\n"
+    )
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert run.returncode == 87 and not (tmp_path / "out").exists()

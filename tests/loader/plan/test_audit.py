@@ -13,8 +13,15 @@ from typing import Any
 import pytest
 
 from omnifeed.loader import OmnifeedError, SampleIndex
-from omnifeed.loader.plan import (Plan, PlanConfig, PlanCursor, delivery_records, open_audit_log, read_delivery_logs,
-                                  verify_coverage)
+from omnifeed.loader.plan import (
+    Plan,
+    PlanConfig,
+    PlanCursor,
+    delivery_records,
+    open_audit_log,
+    read_delivery_logs,
+    verify_coverage,
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +31,12 @@ def index(index_dir: Path) -> SampleIndex:
 
 def epoch_records(index: SampleIndex, epoch: int = 0, world_size: int = 2, grad_accum: int = 2) -> list[dict[str, Any]]:
     """Every record of steps dealt until ``epoch`` is delivered (the last step runs on into the next epoch)."""
-    cursor = PlanCursor(Plan.from_index(index, PlanConfig(seed=4, batch_size=5)), world_size=world_size,
-                        grad_accum=grad_accum, epoch=epoch)
+    cursor = PlanCursor(
+        Plan.from_index(index, PlanConfig(seed=4, batch_size=5)),
+        world_size=world_size,
+        grad_accum=grad_accum,
+        epoch=epoch,
+    )
     records: list[dict[str, Any]] = []
     while not cursor.epoch_delivered(epoch):
         records.extend(delivery_records(cursor.next_step(), index))

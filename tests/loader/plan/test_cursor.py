@@ -15,18 +15,38 @@ from omnifeed.loader import StateMismatchError
 from omnifeed.loader.plan import Plan, PlanConfig, PlanCursor, steps_left_in_epoch
 from omnifeed.loader.plan._cursor import DealingStopped
 
-DOCUMENTED_KEYS = {"format", "index_fingerprint", "config_fingerprint", "topology_version", "world_size", "grad_accum",
-                   "step", "epoch", "window", "window_start", "carried", "offset", "micro_batch", "budget", "next_budget"}
+DOCUMENTED_KEYS = {
+    "format",
+    "index_fingerprint",
+    "config_fingerprint",
+    "topology_version",
+    "world_size",
+    "grad_accum",
+    "step",
+    "epoch",
+    "window",
+    "window_start",
+    "carried",
+    "offset",
+    "micro_batch",
+    "budget",
+    "next_budget",
+}
 
 
 def plan(num_samples: int = 50, batch_size: int = 4, fingerprint: str = "index-a", **config: Any) -> Plan:
-    return Plan(num_samples, PlanConfig(seed=3, batch_size=batch_size, window_size=12, **config),
-                index_fingerprint=fingerprint)
+    return Plan(
+        num_samples, PlanConfig(seed=3, batch_size=batch_size, window_size=12, **config), index_fingerprint=fingerprint
+    )
 
 
 def dealt(cursor: PlanCursor, steps: int) -> list[tuple[int, int, tuple[int, ...]]]:
     """(epoch, micro-batch index, positions) of every micro-batch of the next ``steps`` steps, in dealing order."""
-    return [(mb.epoch, mb.index, tuple(mb.positions.tolist())) for _ in range(steps) for mb in cursor.next_step().micro_batches]
+    return [
+        (mb.epoch, mb.index, tuple(mb.positions.tolist()))
+        for _ in range(steps)
+        for mb in cursor.next_step().micro_batches
+    ]
 
 
 def test_the_state_is_small_json_with_the_documented_keys_at_every_step() -> None:
@@ -39,20 +59,33 @@ def test_the_state_is_small_json_with_the_documented_keys_at_every_step() -> Non
     assert cursor.state_dict()["step"] == 40 and cursor.state_dict()["format"] == "omnifeed.plan-state/1"
 
 
-@pytest.mark.parametrize("change,error,named", [
-    (lambda s: s | {"shuffle_buffer": []}, ValueError, "unknown keys ['shuffle_buffer']"),
-    (lambda s: {k: v for k, v in s.items() if k not in ("offset", "epoch")}, ValueError, "missing keys ['epoch', 'offset']"),
-    (lambda s: s | {"format": "omnifeed.plan-state/0"}, ValueError, "'omnifeed.plan-state/0'; this omnifeed reads"),
-    (lambda s: s | {"index_fingerprint": "index-b"}, StateMismatchError, "another index: state index_fingerprint index-b"),
-    (lambda s: s | {"config_fingerprint": "0123"}, StateMismatchError, "another batching config"),
-    (lambda s: s | {"step": -1}, ValueError, "step must be a non-negative integer, got -1"),
-    (lambda s: s | {"window": True}, ValueError, "window must be a non-negative integer, got True"),
-    (lambda s: s | {"budget": 512.0}, ValueError, "budget 512.0 does not fit this plan's batching"),
-    (lambda s: s | {"window_start": 10**9}, ValueError, "outside this index"),
-    (lambda s: s | {"carried": "3,4"}, ValueError, "carried must be a list of sample positions, got 3,4"),
-    (lambda s: s | {"carried": [3]}, ValueError, "plan state carries 1 samples; this plan carries at most 0"),
-])
-def test_loading_is_strict_names_what_is_wrong_and_never_changes_the_callers_dict(change: Any, error: type, named: str) -> None:
+@pytest.mark.parametrize(
+    "change,error,named",
+    [
+        (lambda s: s | {"shuffle_buffer": []}, ValueError, "unknown keys ['shuffle_buffer']"),
+        (
+            lambda s: {k: v for k, v in s.items() if k not in ("offset", "epoch")},
+            ValueError,
+            "missing keys ['epoch', 'offset']",
+        ),
+        (lambda s: s | {"format": "omnifeed.plan-state/0"}, ValueError, "'omnifeed.plan-state/0'; this omnifeed reads"),
+        (
+            lambda s: s | {"index_fingerprint": "index-b"},
+            StateMismatchError,
+            "another index: state index_fingerprint index-b",
+        ),
+        (lambda s: s | {"config_fingerprint": "0123"}, StateMismatchError, "another batching config"),
+        (lambda s: s | {"step": -1}, ValueError, "step must be a non-negative integer, got -1"),
+        (lambda s: s | {"window": True}, ValueError, "window must be a non-negative integer, got True"),
+        (lambda s: s | {"budget": 512.0}, ValueError, "budget 512.0 does not fit this plan's batching"),
+        (lambda s: s | {"window_start": 10**9}, ValueError, "outside this index"),
+        (lambda s: s | {"carried": "3,4"}, ValueError, "carried must be a list of sample positions, got 3,4"),
+        (lambda s: s | {"carried": [3]}, ValueError, "plan state carries 1 samples; this plan carries at most 0"),
+    ],
+)
+def test_loading_is_strict_names_what_is_wrong_and_never_changes_the_callers_dict(
+    change: Any, error: type, named: str
+) -> None:
     source = PlanCursor(plan(), world_size=2)
     source.next_step()
     state = change(source.state_dict())
@@ -74,8 +107,11 @@ def test_a_state_saved_at_another_batch_size_names_both_config_fingerprints() ->
 
 
 @settings(max_examples=80, deadline=None)
-@given(num_samples=st.integers(1, 120), batch_size=st.integers(1, 9),
-       topologies=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 3), st.integers(0, 6)), min_size=1, max_size=6))
+@given(
+    num_samples=st.integers(1, 120),
+    batch_size=st.integers(1, 9),
+    topologies=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 3), st.integers(0, 6)), min_size=1, max_size=6),
+)
 def test_resizes_deal_later_steps_at_the_new_size_with_nothing_skipped_or_repeated(
     num_samples: int, batch_size: int, topologies: list[tuple[int, int, int]]
 ) -> None:
@@ -110,7 +146,9 @@ def test_a_state_loaded_at_another_world_size_is_a_resize() -> None:
 def test_steps_left_in_epoch_counts_the_steps_until_the_epoch_is_delivered(
     world_size: int, grad_accum: int, steps_dealt: int
 ) -> None:
-    cursor = PlanCursor(plan(num_samples=50, batch_size=4), world_size=world_size, grad_accum=grad_accum)  # 13 micro-batches
+    cursor = PlanCursor(
+        plan(num_samples=50, batch_size=4), world_size=world_size, grad_accum=grad_accum
+    )  # 13 micro-batches
     dealt(cursor, steps_dealt)
     state = cursor.state_dict()
     before = copy.deepcopy(state)

@@ -63,9 +63,14 @@ def _free_synthetic_indexes() -> Iterator[None]:
 def _config(batching: str, **config: object) -> PlanConfig:
     if batching.startswith("budget"):  # dealt in cost tiers (the default), or shuffled across the window
         # light leftovers carried to the next window (the default: up to 256 samples; "budget_carry_few": 3)
-        config["bucketing"] = BucketingConfig(budget=4096, num_buckets=4, lookahead=16, overlong="alone",
-                                              tier_width=None if batching == "budget_shuffled" else 0.02,
-                                              carry=3 if batching == "budget_carry_few" else 256)
+        config["bucketing"] = BucketingConfig(
+            budget=4096,
+            num_buckets=4,
+            lookahead=16,
+            overlong="alone",
+            tier_width=None if batching == "budget_shuffled" else 0.02,
+            carry=3 if batching == "budget_carry_few" else 256,
+        )
     elif batching == "packing":
         config["bucketing"] = BucketingConfig(mode="packing", budget=512, overlong="split", lookahead=16)
     return PlanConfig(**config)
@@ -98,8 +103,13 @@ def _epoch_positions(plan: Plan, epoch: int) -> list[int]:
     out: Delivered = []
     while not cursor.epoch_delivered(epoch):
         _deal(plan, cursor, 1, out)
-    return [p for _, _, e, positions, segments in out if e == epoch
-            for i, p in enumerate(positions) if not segments or segments[i][0] == 0]
+    return [
+        p
+        for _, _, e, positions, segments in out
+        if e == epoch
+        for i, p in enumerate(positions)
+        if not segments or segments[i][0] == 0
+    ]
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 17, 64, 1000, 4097])
@@ -117,8 +127,12 @@ def test_keyed_permutation_depends_on_key_only() -> None:
 @pytest.mark.parametrize("batching", ["fixed", "budget", "packing"])
 @pytest.mark.parametrize("shuffle", ["permutation", "shard_block", "none"])
 @pytest.mark.parametrize("num_samples,batch_size,window_size", [(1, 1, 1), (10, 3, 4), (97, 8, 30), (256, 16, 64)])
-def test_each_epoch_covers_every_sample_once(batching: str, shuffle: str, num_samples: int, batch_size: int, window_size: int) -> None:
-    plan = _plan(num_samples, batching=batching, shuffle=shuffle, batch_size=batch_size, window_size=window_size, seed=3)
+def test_each_epoch_covers_every_sample_once(
+    batching: str, shuffle: str, num_samples: int, batch_size: int, window_size: int
+) -> None:
+    plan = _plan(
+        num_samples, batching=batching, shuffle=shuffle, batch_size=batch_size, window_size=window_size, seed=3
+    )
     for epoch in range(2):
         assert sorted(_epoch_positions(plan, epoch)) == list(range(num_samples))
 
@@ -133,11 +147,16 @@ def test_the_sequence_is_a_pure_function_of_seed_and_epoch() -> None:
 
 def test_shard_block_windows_read_few_shards_at_a_time() -> None:
     sizes, by_shard = _shards(700, 7)
-    plan = Plan(700, PlanConfig(shuffle="shard_block", shards_per_window=2, batch_size=10),
-                index_fingerprint=FP, shard_sizes=sizes, by_shard=by_shard)
+    plan = Plan(
+        700,
+        PlanConfig(shuffle="shard_block", shards_per_window=2, batch_size=10),
+        index_fingerprint=FP,
+        shard_sizes=sizes,
+        by_shard=by_shard,
+    )
     shard_of = np.empty(700, dtype=int)
     for shard, start in enumerate(np.concatenate([[0], np.cumsum(sizes)])[:-1]):
-        shard_of[by_shard[start:start + sizes[shard]]] = shard
+        shard_of[by_shard[start : start + sizes[shard]]] = shard
     first_window = plan.stream(0, 0, int(sizes.max()))
     assert len(set(shard_of[first_window].tolist())) <= 4
 
@@ -149,12 +168,21 @@ ops = st.lists(
 
 @settings(max_examples=150, deadline=None)
 @given(
-    num_samples=st.integers(1, 300), batch_size=st.integers(1, 16), shuffle=st.sampled_from(["permutation", "shard_block", "none"]),
+    num_samples=st.integers(1, 300),
+    batch_size=st.integers(1, 16),
+    shuffle=st.sampled_from(["permutation", "shard_block", "none"]),
     batching=st.sampled_from(["fixed", "budget", "budget_shuffled", "budget_carry_few", "packing"]),
-    window_size=st.integers(1, 80), start_epoch=st.integers(0, 2), schedule=ops,
+    window_size=st.integers(1, 80),
+    start_epoch=st.integers(0, 2),
+    schedule=ops,
 )
 def test_any_resumes_and_resizes_deliver_each_sample_exactly_once(
-    num_samples: int, batch_size: int, shuffle: str, batching: str, window_size: int, start_epoch: int,
+    num_samples: int,
+    batch_size: int,
+    shuffle: str,
+    batching: str,
+    window_size: int,
+    start_epoch: int,
     schedule: list[tuple[int, int, int, bool]],
 ) -> None:
     config = dict(shuffle=shuffle, batch_size=batch_size, seed=11, batching=batching, window_size=window_size)
@@ -172,21 +200,38 @@ def test_any_resumes_and_resizes_deliver_each_sample_exactly_once(
         _deal(plan, cursor, steps, delivered)
     while not cursor.epoch_delivered(start_epoch):
         _deal(plan, cursor, 1, delivered)
-    counts = Counter(p for _, _, epoch, positions, segments in delivered if epoch == start_epoch
-                     for i, p in enumerate(positions) if not segments or segments[i][0] == 0)
+    counts = Counter(
+        p
+        for _, _, epoch, positions, segments in delivered
+        if epoch == start_epoch
+        for i, p in enumerate(positions)
+        if not segments or segments[i][0] == 0
+    )
     assert sorted(counts) == list(range(num_samples))
     assert set(counts.values()) == {1}
     assert all(epoch >= start_epoch for _, _, epoch, _, _ in delivered)
 
 
 @settings(max_examples=100, deadline=None)
-@given(num_samples=st.integers(1, 400), batch_size=st.integers(1, 12), world_size=st.integers(1, 6),
-       grad_accum=st.integers(1, 3), stop_after=st.integers(0, 20), total=st.integers(1, 30),
-       batching=st.sampled_from(["fixed", "budget", "budget_shuffled", "budget_carry_few", "packing"]),
-       window_size=st.integers(1, 80))
+@given(
+    num_samples=st.integers(1, 400),
+    batch_size=st.integers(1, 12),
+    world_size=st.integers(1, 6),
+    grad_accum=st.integers(1, 3),
+    stop_after=st.integers(0, 20),
+    total=st.integers(1, 30),
+    batching=st.sampled_from(["fixed", "budget", "budget_shuffled", "budget_carry_few", "packing"]),
+    window_size=st.integers(1, 80),
+)
 def test_a_resumed_run_emits_exactly_what_an_uninterrupted_run_would(
-    num_samples: int, batch_size: int, world_size: int, grad_accum: int, stop_after: int, total: int,
-    batching: str, window_size: int,
+    num_samples: int,
+    batch_size: int,
+    world_size: int,
+    grad_accum: int,
+    stop_after: int,
+    total: int,
+    batching: str,
+    window_size: int,
 ) -> None:
     config = dict(batch_size=batch_size, seed=5, batching=batching, window_size=window_size)
     uninterrupted: list = []
@@ -245,8 +290,13 @@ def test_resuming_far_into_a_run_does_one_windows_work(shuffle: str, batching: s
     start = PlanCursor(near, world_size=world_size, grad_accum=grad_accum).state_dict()
     windows = near.windows_per_epoch(5)
     # far: the last window of epoch 5, so the step runs on into epoch 6
-    far = start | {"epoch": 5, "window": windows - 1, "window_start": near._nominal_end(5, windows - 2),
-                   "micro_batch": 10**5, "step": 10**6}
+    far = start | {
+        "epoch": 5,
+        "window": windows - 1,
+        "window_start": near._nominal_end(5, windows - 2),
+        "micro_batch": 10**5,
+        "step": 10**6,
+    }
     largest_window = int(np.diff(near._shard_starts).max()) if shuffle == "shard_block" else 4096
     for state in (start, far):
         plan = _plan(num_samples, num_shards, **config)

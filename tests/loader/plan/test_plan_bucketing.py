@@ -42,8 +42,10 @@ def _text_only(positions: np.ndarray) -> dict[str, np.ndarray]:
 
 def test_bucketing_pads_far_less_than_fixed_size_batches() -> None:
     budgeted = PlanConfig(seed=2, window_size=N, bucketing=BucketingConfig(budget=4000, overlong="alone"))
-    reports = [PlanReport(Plan(N, config, index_fingerprint=FP, lengths=_text_only))
-               for config in (budgeted, PlanConfig(seed=2, batch_size=16))]
+    reports = [
+        PlanReport(Plan(N, config, index_fingerprint=FP, lengths=_text_only))
+        for config in (budgeted, PlanConfig(seed=2, batch_size=16))
+    ]
     for report in reports:
         cursor = PlanCursor(report.plan, world_size=4)
         while not cursor.epoch_delivered(0):
@@ -68,8 +70,13 @@ def test_packs_carry_consistent_boundaries_and_never_exceed_capacity() -> None:
 
 
 def test_an_overlong_sample_is_refused_naming_it() -> None:
-    plan = Plan(N, PlanConfig(bucketing=BucketingConfig(budget=50)), index_fingerprint=FP, lengths=synthetic_lengths(N),
-                describe=lambda p: f"key-{p}")
+    plan = Plan(
+        N,
+        PlanConfig(bucketing=BucketingConfig(budget=50)),
+        index_fingerprint=FP,
+        lengths=synthetic_lengths(N),
+        describe=lambda p: f"key-{p}",
+    )
     with pytest.raises(OmnifeedError, match=r"sample key-\d+ costs .* over the micro-batch budget 50"):
         _epoch(plan)
 
@@ -164,8 +171,10 @@ def test_light_leftovers_are_carried_to_the_next_window_and_only_the_epochs_last
         dealt = np.concatenate([mb.positions for mb in planned.micro_batches] + [planned.carry])
         assert set(carried.tolist()) <= set(dealt.tolist()), "what is carried in is dealt or carried on"
         if not planned.last:  # no leftover with room for another sample stays behind
-            assert all(mb.cost >= 0.75 * budget or mb.cost * (mb.positions.size + 1) / mb.positions.size > budget
-                       for mb in planned.micro_batches)
+            assert all(
+                mb.cost >= 0.75 * budget or mb.cost * (mb.positions.size + 1) / mb.positions.size > budget
+                for mb in planned.micro_batches
+            )
     seen = np.concatenate([mb.positions for _, p in windows for mb in p.micro_batches])
     assert sorted(seen.tolist()) == list(range(N))
 
@@ -191,8 +200,12 @@ def test_a_state_with_carried_ids_resumes_exactly_and_bad_carried_ids_are_refuse
         while not source.epoch_delivered(0):
             out.extend(mb.positions.tolist() for mb in source.next_step().micro_batches if mb.epoch == 0)
     assert first == second
-    for bad, named in ((state["carried"][:1] * 2, "repeated positions"), ([N], "outside this index"),
-                       (list(range(65)), "carries at most 64"), ([True], "list of sample positions")):
+    for bad, named in (
+        (state["carried"][:1] * 2, "repeated positions"),
+        ([N], "outside this index"),
+        (list(range(65)), "carries at most 64"),
+        ([True], "list of sample positions"),
+    ):
         with pytest.raises(ValueError, match=named) as raised:
             PlanCursor(plan).load_state_dict(state | {"carried": bad})
         assert "\n" not in str(raised.value)

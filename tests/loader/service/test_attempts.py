@@ -13,8 +13,11 @@ from omnifeed.loader.service._attempts import AttemptLog
 
 
 def state(step: int) -> dict[str, Any]:
-    return {"format": "omnifeed.feed-state/1", "accum_done": 0,
-            "plan": {"epoch": 0, "step": step, "topology_version": 0}}
+    return {
+        "format": "omnifeed.feed-state/1",
+        "accum_done": 0,
+        "plan": {"epoch": 0, "step": step, "topology_version": 0},
+    }
 
 
 def lines(path: Path) -> list[dict[str, Any]]:

@@ -25,8 +25,17 @@ def handshake(index_dir: Path) -> Handshake:
 
 
 def hello(**fields: Any) -> dict[str, Any]:
-    return {"op": "hello", "protocol": PROTOCOL, "rank": 0, "world_size": 1, "dp_rank": 0, "dp_world_size": 1,
-            "grad_accum": 1, "state": None, **fields}
+    return {
+        "op": "hello",
+        "protocol": PROTOCOL,
+        "rank": 0,
+        "world_size": 1,
+        "dp_rank": 0,
+        "dp_world_size": 1,
+        "grad_accum": 1,
+        "state": None,
+        **fields,
+    }
 
 
 def test_a_hello_becomes_a_typed_hello(handshake: Handshake) -> None:
@@ -34,27 +43,41 @@ def test_a_hello_becomes_a_typed_hello(handshake: Handshake) -> None:
     assert (checked.key, checked.group, checked.rank) == ((2, 1, 3), 4, 5)
     assert checked.token == "connection-1" and checked.resume == "start" and checked.attempt is None
     assert checked.state["accum_done"] == 0 and checked.state["plan"]["step"] == 0
-    kept = handshake.hello(hello(token="me", resume="digest", attempt="digest-1", state=checked.state,
-                                 world_size=2, dp_world_size=2, dp_rank=1), "connection-2")
+    kept = handshake.hello(
+        hello(
+            token="me",
+            resume="digest",
+            attempt="digest-1",
+            state=checked.state,
+            world_size=2,
+            dp_world_size=2,
+            dp_rank=1,
+        ),
+        "connection-2",
+    )
     assert (kept.token, kept.resume, kept.attempt) == ("me", "digest", "digest-1")
 
 
-@pytest.mark.parametrize(("fields", "code", "words"), [
-    ({"protocol": 99}, "protocol", "protocol version 99"),
-    ({"index_fingerprint": "f" * 32}, "fingerprint", "index_fingerprint"),
-    ({"rank": "0"}, "protocol", "'rank' must be an integer"),
-    ({"rank": True}, "protocol", "'rank'"),
-    ({"dp_rank": 1}, "protocol", "'dp_rank'"),
-    ({"world_size": 3, "dp_world_size": 2}, "topology", "not a multiple"),
-    ({"world_size": 16}, "topology", "max_clients"),
-    ({"dp_world_size": 4, "world_size": 4, "grad_accum": 4}, "topology", "an epoch of"),
-    ({"state": {"format": "omnifeed.feed-state/1", "plan": {"step": 1}, "accum_done": 0}}, "state", "not usable"),
-    ({"token": ""}, "protocol", "'token'"),
-    ({"resume": 7}, "protocol", "'resume'"),
-    ({"attempt": "x" * 65}, "protocol", "'attempt'"),
-])
-def test_a_bad_hello_is_refused_with_its_kind(handshake: Handshake, fields: dict[str, Any], code: str,
-                                              words: str) -> None:
+@pytest.mark.parametrize(
+    ("fields", "code", "words"),
+    [
+        ({"protocol": 99}, "protocol", "protocol version 99"),
+        ({"index_fingerprint": "f" * 32}, "fingerprint", "index_fingerprint"),
+        ({"rank": "0"}, "protocol", "'rank' must be an integer"),
+        ({"rank": True}, "protocol", "'rank'"),
+        ({"dp_rank": 1}, "protocol", "'dp_rank'"),
+        ({"world_size": 3, "dp_world_size": 2}, "topology", "not a multiple"),
+        ({"world_size": 16}, "topology", "max_clients"),
+        ({"dp_world_size": 4, "world_size": 4, "grad_accum": 4}, "topology", "an epoch of"),
+        ({"state": {"format": "omnifeed.feed-state/1", "plan": {"step": 1}, "accum_done": 0}}, "state", "not usable"),
+        ({"token": ""}, "protocol", "'token'"),
+        ({"resume": 7}, "protocol", "'resume'"),
+        ({"attempt": "x" * 65}, "protocol", "'attempt'"),
+    ],
+)
+def test_a_bad_hello_is_refused_with_its_kind(
+    handshake: Handshake, fields: dict[str, Any], code: str, words: str
+) -> None:
     with pytest.raises(RequestError) as refused:
         handshake.hello(hello(**fields), "connection-1")
     assert refused.value.code == code and words in str(refused.value)

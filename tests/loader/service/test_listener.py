@@ -41,10 +41,13 @@ def test_the_directory_is_created_0700_and_an_existing_one_is_never_chmodded(fol
     assert mode(folder / "open") == 0o755
 
 
-@pytest.mark.parametrize(("make", "words"), [
-    (lambda p: p.symlink_to(p.parent), "is a symbolic link"),
-    (lambda p: p.write_text("x"), "is not a directory"),
-])
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda p: p.symlink_to(p.parent), "is a symbolic link"),
+        (lambda p: p.write_text("x"), "is not a directory"),
+    ],
+)
 def test_a_directory_that_is_a_link_or_a_file_is_refused(folder: Path, make, words: str) -> None:  # type: ignore[no-untyped-def]
     make(folder / "sockets")
     with pytest.raises(OmnifeedError, match=words) as refused:

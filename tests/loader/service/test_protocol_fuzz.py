@@ -11,33 +11,69 @@ from typing import Any
 
 import msgpack
 import pytest
+from feed_service import short_socket_dir
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from feed_service import short_socket_dir
 from omnifeed.loader import FeedConfig, IndexConfig, PlanConfig, build_index
-from omnifeed.loader.service._server import FeedService
 from omnifeed.loader.service._config import ServiceConfig
-from omnifeed.loader.service._protocol import MAX_REPLY_BYTES, MAX_REQUEST_BYTES, PROTOCOL, ProtocolError, decode, receive
+from omnifeed.loader.service._protocol import (
+    MAX_REPLY_BYTES,
+    MAX_REQUEST_BYTES,
+    PROTOCOL,
+    ProtocolError,
+    decode,
+    receive,
+)
+from omnifeed.loader.service._server import FeedService
 from omnifeed.trainer_adapter import FeedClient
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 
 # msgpack values of every kind, nested: what a confused or hostile peer could send
 VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats() | st.text(max_size=20)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=20)
     | st.binary(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-FIELDS = ("protocol", "rank", "world_size", "dp_rank", "dp_world_size", "grad_accum", "state", "reack", "resume",
-          "index_fingerprint", "config_fingerprint", "pid", "token", "release")
-HELLO = {"op": "hello", "protocol": PROTOCOL, "rank": 0, "world_size": 1, "dp_rank": 0, "dp_world_size": 1,
-         "grad_accum": 1, "state": None}
+FIELDS = (
+    "protocol",
+    "rank",
+    "world_size",
+    "dp_rank",
+    "dp_world_size",
+    "grad_accum",
+    "state",
+    "reack",
+    "resume",
+    "index_fingerprint",
+    "config_fingerprint",
+    "pid",
+    "token",
+    "release",
+)
+HELLO = {
+    "op": "hello",
+    "protocol": PROTOCOL,
+    "rank": 0,
+    "world_size": 1,
+    "dp_rank": 0,
+    "dp_world_size": 1,
+    "grad_accum": 1,
+    "state": None,
+}
 # requests that look almost right: a real op, real field names, random values (or a valid hello, one field off)
 REQUESTS = st.one_of(
-    st.builds(lambda op, extra: {"op": op, **extra}, st.sampled_from(["hello", "next", "metrics", "bye", "launch"]),
-              st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=5)),
+    st.builds(
+        lambda op, extra: {"op": op, **extra},
+        st.sampled_from(["hello", "next", "metrics", "bye", "launch"]),
+        st.dictionaries(st.sampled_from(FIELDS), VALUES, max_size=5),
+    ),
     st.builds(lambda name, value: {**HELLO, name: value}, st.sampled_from(FIELDS), VALUES),
     st.builds(lambda value: {"op": "next", "release": value}, VALUES | st.lists(st.integers(-5, 50), max_size=5)),
     st.dictionaries(st.text(max_size=6), VALUES, max_size=4),
@@ -66,8 +102,9 @@ def test_decode_of_any_bytes_gives_a_message_or_a_protocol_error(body: bytes) ->
 @pytest.mark.timeout(60)
 @FUZZ
 @given(value=VALUES | REQUESTS, cut=st.integers(0, 64), ext=st.booleans())
-def test_decode_of_any_msgpack_value_cut_or_whole_gives_a_message_or_a_protocol_error(value: Any, cut: int,
-                                                                                     ext: bool) -> None:
+def test_decode_of_any_msgpack_value_cut_or_whole_gives_a_message_or_a_protocol_error(
+    value: Any, cut: int, ext: bool
+) -> None:
     body = msgpack.packb(value if not ext else {"op": "x", "t": msgpack.ExtType(1, b"\0" * 8)}, use_bin_type=True)
     _decoded_or_protocol_error(body)
     _decoded_or_protocol_error(body[: max(0, len(body) - cut)])
@@ -119,8 +156,12 @@ def test_receive_over_a_socket_gives_messages_then_a_protocol_error_or_eof(chunk
 def service(demo_shards: list[Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[FeedService]:
     out = tmp_path_factory.mktemp("fuzz-service") / "index"
     build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
-    config = ServiceConfig(index=str(out), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
-                           socket=str(short_socket_dir() / "feed.sock"), stream_idle_s=1.0)
+    config = ServiceConfig(
+        index=str(out),
+        feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+        socket=str(short_socket_dir() / "feed.sock"),
+        stream_idle_s=1.0,
+    )
     with FeedService(config) as running:
         yield running
 
@@ -163,7 +204,7 @@ def _mutated(value: Any, data: st.DataObject) -> Any:
         return {**value, name: _mutated(value[name], data)}
     if isinstance(value, list) and value and data.draw(st.booleans()):
         at = data.draw(st.integers(0, len(value) - 1))
-        return [*value[:at], _mutated(value[at], data), *value[at + 1:]]
+        return [*value[:at], _mutated(value[at], data), *value[at + 1 :]]
     return data.draw(VALUES)
 
 

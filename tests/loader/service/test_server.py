@@ -14,19 +14,22 @@ from pathlib import Path
 
 import msgpack
 import pytest
-
 from feed_service import ServiceProcess, short_socket_dir, write_config
+
 from omnifeed.loader import FeedConfig, OmnifeedError, PlanConfig
-from omnifeed.loader.service._server import FeedService
 from omnifeed.loader.service._config import ServiceConfig
 from omnifeed.loader.service._protocol import MAX_REQUEST_BYTES, PROTOCOL, receive, request_metrics
+from omnifeed.loader.service._server import FeedService
 from omnifeed.trainer_adapter import FeedClient
 
 
 @pytest.fixture(scope="module")
 def service(index_dir: Path):  # type: ignore[no-untyped-def]
-    config = ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
-                           socket=str(short_socket_dir() / "feed.sock"))
+    config = ServiceConfig(
+        index=str(index_dir),
+        feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+        socket=str(short_socket_dir() / "feed.sock"),
+    )
     with FeedService(config) as running:
         yield running
 
@@ -58,28 +61,45 @@ def still_serves(service: FeedService) -> None:
 
 
 def hello(**fields: object) -> bytes:
-    message = {"op": "hello", "protocol": PROTOCOL, "rank": 0, "world_size": 1, "dp_rank": 0, "dp_world_size": 1,
-               "grad_accum": 1, "state": None, **fields}
+    message = {
+        "op": "hello",
+        "protocol": PROTOCOL,
+        "rank": 0,
+        "world_size": 1,
+        "dp_rank": 0,
+        "dp_world_size": 1,
+        "grad_accum": 1,
+        "state": None,
+        **fields,
+    }
     return frame(msgpack.packb(message))
 
 
-@pytest.mark.parametrize(("body", "code", "words"), [
-    (frame(b"\xc1\xc1\xc1"), "protocol", "malformed"),
-    (frame(msgpack.packb([1, 2, 3])), "protocol", "map with a string 'op'"),
-    (frame(msgpack.packb({"op": "launch"})), "protocol", "unknown request"),
-    (frame(pickle.dumps({"op": "hello"})), "protocol", "malformed"),
-    (frame(msgpack.packb({"op": "hello", "x": msgpack.ExtType(1, b"\0" * 8)})), "protocol", "extension"),
-    (struct.pack("!I", MAX_REQUEST_BYTES + 1) + b"\0" * 16, "protocol", "over the limit"),
-    (hello(protocol=99), "protocol", "protocol version 99"),
-    (hello(rank="0"), "protocol", "'rank' must be an integer"),
-    (hello(dp_rank=3), "protocol", "'dp_rank'"),
-    (hello(grad_accum=10**9), "protocol", "'grad_accum'"),
-    (hello(index_fingerprint="f" * 32), "fingerprint", "index_fingerprint"),
-    (hello(state={"format": "omnifeed.feed-state/1", "plan": {"step": 1}, "accum_done": 0}), "state", "not a plan state"),
-    (frame(msgpack.packb({"op": "next"})), "protocol", "hello"),
-])
-def test_a_bad_message_gets_an_error_reply_and_the_service_goes_on(service: FeedService, body: bytes, code: str,
-                                                                   words: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "code", "words"),
+    [
+        (frame(b"\xc1\xc1\xc1"), "protocol", "malformed"),
+        (frame(msgpack.packb([1, 2, 3])), "protocol", "map with a string 'op'"),
+        (frame(msgpack.packb({"op": "launch"})), "protocol", "unknown request"),
+        (frame(pickle.dumps({"op": "hello"})), "protocol", "malformed"),
+        (frame(msgpack.packb({"op": "hello", "x": msgpack.ExtType(1, b"\0" * 8)})), "protocol", "extension"),
+        (struct.pack("!I", MAX_REQUEST_BYTES + 1) + b"\0" * 16, "protocol", "over the limit"),
+        (hello(protocol=99), "protocol", "protocol version 99"),
+        (hello(rank="0"), "protocol", "'rank' must be an integer"),
+        (hello(dp_rank=3), "protocol", "'dp_rank'"),
+        (hello(grad_accum=10**9), "protocol", "'grad_accum'"),
+        (hello(index_fingerprint="f" * 32), "fingerprint", "index_fingerprint"),
+        (
+            hello(state={"format": "omnifeed.feed-state/1", "plan": {"step": 1}, "accum_done": 0}),
+            "state",
+            "not a plan state",
+        ),
+        (frame(msgpack.packb({"op": "next"})), "protocol", "hello"),
+    ],
+)
+def test_a_bad_message_gets_an_error_reply_and_the_service_goes_on(
+    service: FeedService, body: bytes, code: str, words: str
+) -> None:
     reply = reply_to(service, body)
     assert reply["op"] == "error" and reply["code"] == code, reply
     assert words in reply["message"]
@@ -157,15 +177,21 @@ def test_sigterm_stops_the_service_cleanly_and_a_crashed_ones_socket_is_reaped(i
         request_metrics(str(socket_path), timeout=2)
 
 
-def test_prometheus_and_omnifeed_stats_show_the_running_service(index_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_prometheus_and_omnifeed_stats_show_the_running_service(
+    index_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     from omnifeed.tools._cli import main
 
-    config = ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
-                           socket=str(short_socket_dir() / "feed.sock"), metrics_port=0)
+    config = ServiceConfig(
+        index=str(index_dir),
+        feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+        socket=str(short_socket_dir() / "feed.sock"),
+        metrics_port=0,
+    )
     with FeedService(config) as service, FeedClient(service.address, rank=0, world_size=1) as client:
         for _ in range(3):
             client.next_batch()
@@ -242,17 +268,24 @@ def test_a_live_client_whose_requests_its_thread_reads_meanwhile_is_never_seen_g
 
 
 def test_a_client_that_says_bye_while_a_peer_says_hello_is_not_taken_for_a_crash(
-        index_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    index_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A resizing rank's bye can complete while a peer's hello looks for gone clients: not a crash."""
     from omnifeed.loader.service import _server
     from omnifeed.loader.service._connection import Connection
 
-    service = FeedService(ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
-                                        socket=str(short_socket_dir() / "feed.sock")))
+    service = FeedService(
+        ServiceConfig(
+            index=str(index_dir),
+            feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+            socket=str(short_socket_dir() / "feed.sock"),
+        )
+    )
     ours, theirs = socket.socketpair()
     try:
-        attempt = service.attempts.join(None, "checkpoint-digest", {"plan": {"epoch": 0, "step": 0,
-                                        "topology_version": 0}, "accum_done": 0})
+        attempt = service.attempts.join(
+            None, "checkpoint-digest", {"plan": {"epoch": 0, "step": 0, "topology_version": 0}, "accum_done": 0}
+        )
         leaving = Connection(1, ours, attempt=attempt)
         service._connections[1] = leaving
 

@@ -15,22 +15,23 @@ from pathlib import Path
 import msgpack
 import psutil
 import pytest
-
 from feed_service import ServiceProcess, short_socket_dir, write_config
+
 from omnifeed.loader import Feed, FeedConfig, PlanConfig
 from omnifeed.loader.plan._cursor import DealingStopped, PlanCursor
 from omnifeed.loader.plan._plan import Plan
-from omnifeed.loader.service._server import FeedService
 from omnifeed.loader.service._config import ServiceConfig
 from omnifeed.loader.service._protocol import PROTOCOL, receive, request_metrics
+from omnifeed.loader.service._server import FeedService
 from omnifeed.trainer_adapter import FeedClient
 
 PLAN = PlanConfig(seed=3, batch_size=4)  # the demo index: 48 samples, 12 micro-batches an epoch
 
 
 def config(index_dir: Path, **extra: object) -> ServiceConfig:
-    return ServiceConfig(index=str(index_dir), feed=FeedConfig(plan=PLAN),
-                         socket=str(short_socket_dir() / "feed.sock"), **extra)  # type: ignore[arg-type]
+    return ServiceConfig(
+        index=str(index_dir), feed=FeedConfig(plan=PLAN), socket=str(short_socket_dir() / "feed.sock"), **extra
+    )  # type: ignore[arg-type]
 
 
 def connect(address: str) -> socket.socket:
@@ -46,8 +47,18 @@ def frame(message: dict[str, object]) -> bytes:
 
 
 def hello(world: int, dp_world: int, accum: int, *, rank: int = 0, dp_rank: int = 0) -> bytes:
-    return frame({"op": "hello", "protocol": PROTOCOL, "rank": rank, "world_size": world, "dp_rank": dp_rank,
-                  "dp_world_size": dp_world, "grad_accum": accum, "state": None})
+    return frame(
+        {
+            "op": "hello",
+            "protocol": PROTOCOL,
+            "rank": rank,
+            "world_size": world,
+            "dp_rank": dp_rank,
+            "dp_world_size": dp_world,
+            "grad_accum": accum,
+            "state": None,
+        }
+    )
 
 
 def say_hello(address: str, world: int, dp_world: int, accum: int, **ranks: int) -> dict:
@@ -69,7 +80,9 @@ def served(address: str, batches: int = 2) -> None:
 
 # -- a hello's topology is validated against the dataset and the config ----------------------------------------
 @pytest.mark.timeout(120)
-def test_an_oversized_hello_is_refused_with_a_topology_error_and_honest_clients_are_still_served(index_dir: Path) -> None:
+def test_an_oversized_hello_is_refused_with_a_topology_error_and_honest_clients_are_still_served(
+    index_dir: Path,
+) -> None:
     with FeedService(config(index_dir)) as service:
         for world, dp_world, accum in ABUSIVE:
             reply = say_hello(service.address, world, dp_world, accum)
@@ -170,8 +183,9 @@ def test_dealing_a_step_stops_when_told_and_leaves_the_cursor_where_it_was(index
     small, fresh = PlanCursor(plan, world_size=3, grad_accum=2), PlanCursor(plan, world_size=3, grad_accum=2)
     with pytest.raises(DealingStopped):
         small.next_step(lambda: True)
-    assert [m.index for m in small.next_step(lambda: False).micro_batches] == \
-        [m.index for m in fresh.next_step().micro_batches]
+    assert [m.index for m in small.next_step(lambda: False).micro_batches] == [
+        m.index for m in fresh.next_step().micro_batches
+    ]
 
 
 @pytest.mark.timeout(120)
@@ -200,8 +214,10 @@ def test_sigterm_ends_omnifeed_serve_after_abusive_hellos(index_dir: Path, tmp_p
 
 
 def test_a_stop_that_hangs_still_ends_the_process() -> None:
-    code = ("from omnifeed.tools._cli import _exit_within; import threading; _exit_within(0.2); "
-            "threading.Event().wait()")  # a clean stop that never returns
+    code = (
+        "from omnifeed.tools._serve_cmd import exit_within; import threading; exit_within(0.2); "
+        "threading.Event().wait()"
+    )  # a clean stop that never returns
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "did not stop within" in done.stderr
 
@@ -217,8 +233,9 @@ def test_a_departed_peer_no_longer_holds_the_streams_segments(index_dir: Path) -
         fake.sendall(hello(64, 1, 1, rank=1))
         assert receive(fake, 1 << 28)[0]["op"] == "welcome"
         taken: list[str] = []
-        honest = threading.Thread(target=lambda: taken.extend(client.next_batch()["__key__"] for _ in range(30)),
-                                  daemon=True)
+        honest = threading.Thread(
+            target=lambda: taken.extend(client.next_batch()["__key__"] for _ in range(30)), daemon=True
+        )
         honest.start()  # it gets a few batches ahead of its silent "peer", then waits for it
         seen = 0
         for _ in range(40):
@@ -285,7 +302,7 @@ def test_a_request_dripped_a_byte_at_a_time_is_cut_at_the_frame_timeout(index_di
         poller.register(slow, select.POLLIN)
         sent = 0
         while sent < len(request) and not poller.poll(0):
-            slow.send(request[sent:sent + 1])  # each byte well within the timeout of the one before
+            slow.send(request[sent : sent + 1])  # each byte well within the timeout of the one before
             sent += 1
             time.sleep(0.1)
         assert sent < len(request)

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from feed_service import ServiceProcess, short_socket_dir, write_config
+from range_http import RangeServer
+
 from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
 from omnifeed.loader.service._protocol import request_metrics
 from omnifeed.trainer_adapter import FeedClient
-from range_http import RangeServer
 
 _MIB = 2**20
 
@@ -38,8 +38,9 @@ def http_origin(demo_shards: list[Path], tmp_path: Path):  # type: ignore[no-unt
     for shard in demo_shards:
         shutil.copy(shard, root / shard.name)
     with RangeServer(root).running() as server:
-        report = build_index([f"{server.url}/{s.name}" for s in demo_shards], tmp_path / "index",
-                             IndexConfig(workers=1), progress=False)
+        report = build_index(
+            [f"{server.url}/{s.name}" for s in demo_shards], tmp_path / "index", IndexConfig(workers=1), progress=False
+        )
         assert not report.errors
         yield report.path
 
@@ -59,8 +60,10 @@ def test_a_micro_batch_read_ahead_is_freed_without_waiting_for_the_cycle_collect
         gc.set_debug(0)
         gc.garbage.clear()
         gc.collect()
-    assert futures == 0, (f"{futures} field reads (of {garbage} objects) were freed only by the cycle collector: each "
-                          "keeps its micro-batch's decoded samples alive until a full collection")
+    assert futures == 0, (
+        f"{futures} field reads (of {garbage} objects) were freed only by the cycle collector: each "
+        "keeps its micro-batch's decoded samples alive until a full collection"
+    )
 
 
 def _status(pid: int) -> dict[str, int]:
@@ -85,6 +88,7 @@ def _reading(pid: int, socket: str) -> dict[str, int]:
     return {**_status(pid), "fds": min(fds), "threads": min(threads), "segment_bytes": segments}
 
 
+@pytest.mark.soak
 def test_the_services_memory_levels_off_and_its_fds_and_threads_do_not_grow(http_origin: Path, tmp_path: Path) -> None:
     """Eight epochs of one client against a real `omnifeed serve`, read from an HTTP origin.
 
@@ -98,8 +102,9 @@ def test_the_services_memory_levels_off_and_its_fds_and_threads_do_not_grow(http
     Shared memory is the batch segments (no RAM tier here), within their reported bytes.
     """
     socket_path = short_socket_dir() / "feed.sock"
-    config = write_config(tmp_path, http_origin, socket=socket_path, prefetch_batches=2,
-                          feed={"plan": {"seed": 0, "batch_size": 8}})
+    config = write_config(
+        tmp_path, http_origin, socket=socket_path, prefetch_batches=2, feed={"plan": {"seed": 0, "batch_size": 8}}
+    )
     service = ServiceProcess(config, socket_path).start()
     readings = []
     try:

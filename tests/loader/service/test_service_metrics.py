@@ -13,31 +13,100 @@ from prometheus_client.parser import text_string_to_metric_families
 from omnifeed.loader.service._metrics import METRICS, MetricsServer, quantile_label, start_metrics_server
 
 SNAPSHOT: dict[str, Any] = {
-    "service": {"uptime_s": 12.5, "protocol": 1, "index_fingerprint": "fp123", "clients": 2, "streams": 2,
-                "segments": 3, "segment_bytes": 4096},
-    "elapsed_s": 10.0, "batches": 40, "samples": 320, "samples_per_s": 32.0, "bytes_read": 10_000,
-    "consumer_wait_s": 1.5, "bad_samples": 3,
+    "service": {
+        "uptime_s": 12.5,
+        "protocol": 1,
+        "index_fingerprint": "fp123",
+        "clients": 2,
+        "streams": 2,
+        "segments": 3,
+        "segment_bytes": 4096,
+    },
+    "elapsed_s": 10.0,
+    "batches": 40,
+    "samples": 320,
+    "samples_per_s": 32.0,
+    "bytes_read": 10_000,
+    "consumer_wait_s": 1.5,
+    "bad_samples": 3,
     "modalities": {
-        "image": {"buffer_samples": 7, "buffer_bytes": 7000, "queued": 120, "decoded": 300, "decoded_per_s": 30.0,
-                  "decode_latency_s": {"p50": 0.02, "p90": 0.05, "p99": 0.1}, "bad": {"decode": 2, "read": 1}},
-        "text": {"decoded": 320, "decoded_per_s": 32.0, "decode_latency_s": {"p50": 0.001, "p90": 0.002, "p99": 0.003},
-                 "bad": {}},
+        "image": {
+            "buffer_samples": 7,
+            "buffer_bytes": 7000,
+            "queued": 120,
+            "decoded": 300,
+            "decoded_per_s": 30.0,
+            "decode_latency_s": {"p50": 0.02, "p90": 0.05, "p99": 0.1},
+            "bad": {"decode": 2, "read": 1},
+        },
+        "text": {
+            "decoded": 320,
+            "decoded_per_s": 32.0,
+            "decode_latency_s": {"p50": 0.001, "p90": 0.002, "p99": 0.003},
+            "bad": {},
+        },
     },
     "cache": {
-        "ram": {"hits": 30, "misses": 10, "bytes_hit": 3000, "puts": 10, "bytes_put": 1000, "rejected": 1,
-                "evicted": 2, "reinserted": 0, "too_large": 0, "entries": 8, "bytes_used": 800, "capacity_bytes": 8192,
-                "resets": 0},
-        "nvme": {"hits": 5, "misses": 5, "bytes_hit": 500, "degraded": "disk full", "entries": 1, "bytes_used": 10,
-                 "capacity_bytes": 1 << 30},
-        "remote": {"reads": 5, "bytes": 5000, "retries": 1, "timeouts": 0, "errors": 2, "degraded": True,
-                   "degraded_changes": 1, "latency_s": {"p50": 0.1, "p95": 0.42, "p99": 0.9}, "window": 5},
+        "ram": {
+            "hits": 30,
+            "misses": 10,
+            "bytes_hit": 3000,
+            "puts": 10,
+            "bytes_put": 1000,
+            "rejected": 1,
+            "evicted": 2,
+            "reinserted": 0,
+            "too_large": 0,
+            "entries": 8,
+            "bytes_used": 800,
+            "capacity_bytes": 8192,
+            "resets": 0,
+        },
+        "nvme": {
+            "hits": 5,
+            "misses": 5,
+            "bytes_hit": 500,
+            "degraded": "disk full",
+            "entries": 1,
+            "bytes_used": 10,
+            "capacity_bytes": 1 << 30,
+        },
+        "remote": {
+            "reads": 5,
+            "bytes": 5000,
+            "retries": 1,
+            "timeouts": 0,
+            "errors": 2,
+            "degraded": True,
+            "degraded_changes": 1,
+            "latency_s": {"p50": 0.1, "p95": 0.42, "p99": 0.9},
+            "window": 5,
+        },
     },
-    "storage_degraded": True, "read_ahead": 4,
-    "clients": [{"client": "host-a:17", "rank": 0, "dp_rank": 0, "dp_world_size": 2, "batches": 20, "waited_s": 1.0,
-                 "last_wait_s": 0.05},
-                {"client": "host-a:18", "rank": 1, "dp_rank": 1, "dp_world_size": 2, "batches": 20, "waited_s": 0.5,
-                 "last_wait_s": 0.0}],
-    "resizes": 1, "resize_seconds": 2.5,
+    "storage_degraded": True,
+    "read_ahead": 4,
+    "clients": [
+        {
+            "client": "host-a:17",
+            "rank": 0,
+            "dp_rank": 0,
+            "dp_world_size": 2,
+            "batches": 20,
+            "waited_s": 1.0,
+            "last_wait_s": 0.05,
+        },
+        {
+            "client": "host-a:18",
+            "rank": 1,
+            "dp_rank": 1,
+            "dp_world_size": 2,
+            "batches": 20,
+            "waited_s": 0.5,
+            "last_wait_s": 0.0,
+        },
+    ],
+    "resizes": 1,
+    "resize_seconds": 2.5,
 }
 
 
@@ -61,8 +130,11 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
         assert response.status == 200
         text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def labels(**kw: Any) -> tuple[tuple[str, str], ...]:
@@ -102,8 +174,12 @@ def test_the_types_are_counters_for_totals_and_gauges_for_levels() -> None:
 
 
 def test_a_snapshot_missing_keys_still_scrapes(serve: Any) -> None:
-    sparse = {"samples": 5, "modalities": {"audio": {"decoded": 2, "decode_latency_s": {}, "bad": None}, "odd": 3},
-              "cache": {"remote": {"latency_s": {"p50": "slow"}}}, "clients": [{"client": "c"}, "junk"]}
+    sparse = {
+        "samples": 5,
+        "modalities": {"audio": {"decoded": 2, "decode_latency_s": {}, "bad": None}, "odd": 3},
+        "cache": {"remote": {"latency_s": {"p50": "slow"}}},
+        "clients": [{"client": "c"}, "junk"],
+    }
     got = serve(lambda: sparse)
     assert got[("omnifeed_snapshot_ok", ())] == 1 and got[("omnifeed_samples_total", ())] == 5
     assert got[("omnifeed_decoded_total", labels(modality="audio"))] == 2
@@ -129,14 +205,26 @@ def test_each_scrape_reads_a_fresh_snapshot_and_shutdown_frees_the_port() -> Non
         scrape(port)
 
 
-@pytest.mark.parametrize(("key", "quantile"), [("p50", "0.5"), ("p90", "0.9"), ("p95", "0.95"), ("p99", "0.99"),
-                                               ("p999", "0.999"), ("p5", "0.05"), ("max", None), ("p", None)])
+@pytest.mark.parametrize(
+    ("key", "quantile"),
+    [
+        ("p50", "0.5"),
+        ("p90", "0.9"),
+        ("p95", "0.95"),
+        ("p99", "0.99"),
+        ("p999", "0.999"),
+        ("p5", "0.05"),
+        ("max", None),
+        ("p", None),
+    ],
+)
 def test_percentile_keys_become_quantile_labels(key: str, quantile: str | None) -> None:
     assert quantile_label(key) == quantile
 
 
 def test_the_docs_list_every_metric() -> None:
     docs = (Path(__file__).parents[3] / "docs" / "service.md").read_text(encoding="utf-8")
-    exposed = [spec.name + ("_total" if spec.kind == "counter" else "_info" if spec.kind == "info" else "")
-               for spec in METRICS]
+    exposed = [
+        spec.name + ("_total" if spec.kind == "counter" else "_info" if spec.kind == "info" else "") for spec in METRICS
+    ]
     assert [name for name in exposed if f"`{name}`" not in docs] == []

@@ -45,9 +45,16 @@ def parts(index_dir: Path) -> Iterator[tuple[StreamContext, Recorded]]:
     reader = FieldReader(CONFIG, {m: make_decoder(m, CONFIG.decode) for m in MODALITIES}, metrics, index.fingerprint)
     pools = DecodePools(CONFIG)
     seen = Recorded()
-    context = StreamContext(index, CONFIG, SharedResources(plan, reader, metrics, pools), prefetch_batches=2,
-                            next_seq=itertools.count().__next__, record_resize=lambda started: None,
-                            audit=seen.audited.append, lend=lambda ready, stream: seen.lent.append(ready))
+    context = StreamContext(
+        index,
+        CONFIG,
+        SharedResources(plan, reader, metrics, pools),
+        prefetch_batches=2,
+        next_seq=itertools.count().__next__,
+        record_resize=lambda started: None,
+        audit=seen.audited.append,
+        lend=lambda ready, stream: seen.lent.append(ready),
+    )
     yield context, seen
     pools.close()
     reader.close()

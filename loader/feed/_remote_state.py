@@ -1,0 +1,44 @@
+"""The remote decoders' bookkeeping: one Ray actor as the controller sees it, and a modality's actors and counters."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._remote_config import RemoteConfig
+
+_LATENCY_WINDOW = 2048  # round trips kept for the latency percentiles
+
+
+@dataclass
+class RemoteActor:
+    """One decode actor as the controller sees it: its handle, readiness, load, and answers past the deadline."""
+
+    handle: Any
+    ready: Any  # the ref of its ready() call
+    usable: bool = False
+    lost: bool = False
+    busy: int = 0
+    where: str = ""
+    overdue: list[Any] = field(default_factory=list)  # refs of answers past the deadline, dropped when they come
+    overdue_since: float = 0.0
+
+
+@dataclass
+class RemoteModality:
+    """A modality's remote actors, how many are wanted now, and its counters."""
+
+    config: RemoteConfig
+    actors: list[RemoteActor | None]
+    target: int  # actors wanted now (elastic between workers and cap)
+    starved_since: float | None = None
+    idle_since: float | None = None
+    decoded: int = 0
+    reissued: int = 0
+    lost: int = 0
+    failed: int = 0
+    returned_bytes: int = 0
+    actor_read_bytes: int = 0
+    resized: int = 0
+    round_trip: deque[float] = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
