@@ -1,6 +1,7 @@
 """Padding and data-parallel balance: fixed-size batches vs cost-budgeted buckets vs packing.
 
     python benchmarks/bench_bucketing.py [--samples 200000] [--world-size 8] [--mix-budgets 16384 32768 65536]
+        [--sections text multimodal unseen resume]
 
 Lengths are generated, long-tailed:
 
@@ -11,7 +12,12 @@ Lengths are generated, long-tailed:
   realistic cost model (clips at 2 fps capped at 16 frames, short side 224, 14 px patches),
   at each of ``--mix-budgets`` and ``--mix-world-sizes``, dealt in cost tiers (the default)
   and, for comparison, shuffled across the window (``tier_width: null``); plus packing of
-  the text stream.
+  the text stream;
+- ``unseen``: a long-tailed four-modality mix the plan was never tuned on, with a rare modality
+  (``unseen_mix_lengths``: speech 4 % of samples), at ``--unseen-budgets`` and
+  ``--mix-world-sizes``, cost tiers, ``overlong: alone`` (issue 29);
+- ``resume``: seconds to build a plan of the unseen mix, deal its first step, and resume it
+  mid-epoch at another world size, at ``--samples`` and ten times as many.
 
 Each is one epoch of the plan dealt to the ranks and measured with the same report as
 ``omnifeed plan --stats``: padding fraction per stream (padded slots / all slots) and balance
@@ -76,6 +82,40 @@ def mix_lengths(samples: int, seed: int = 0) -> dict[str, np.ndarray]:
     return columns
 
 
+def unseen_mix_lengths(samples: int, seed: int = 1) -> dict[str, np.ndarray]:
+    """A long-tailed four-modality corpus unlike `mix_lengths`, with a rare modality: speech is 4 % of samples.
+
+    52 % documents (tokens log-normal, median ~600, σ 1.4, truncated at 32,768: over a 16,384 budget
+    alone now and then); 30 % photos (short side log-normal around 600 px, σ 0.5; aspect ratios
+    log-normal, σ 0.35; 80 % landscape) with captions (median ~15 tokens, σ 0.5); 14 % clips (4 s to
+    2 min, 24/30 fps, 720p/1080p, 80 % landscape) with captions; 4 % short utterances (median ~4 s,
+    σ 0.7, 0.5–60 s) with transcripts (~2.7 tokens per second, ± 15 %).
+    """
+    rng = np.random.default_rng(seed)
+    columns = {name: np.zeros(samples) for name in INDEX_COLUMNS}
+    kind = rng.choice(4, samples, p=[0.52, 0.30, 0.14, 0.04])  # document, photo, clip, speech
+    docs = np.minimum(rng.lognormal(np.log(600), 1.4, samples), 32768)
+    captions = np.clip(rng.lognormal(np.log(15), 0.5, samples), 2, 200)
+    short = np.clip(rng.lognormal(np.log(600), 0.5, samples), 64, 4000)
+    aspect = np.exp(np.abs(rng.normal(0, 0.35, samples)))
+    landscape = rng.random(samples) < 0.8
+    photo, clip, speech = kind == 1, kind == 2, kind == 3
+    columns["image_width"] = np.where(photo, np.round(np.where(landscape, short * aspect, short)), 0)
+    columns["image_height"] = np.where(photo, np.round(np.where(landscape, short, short * aspect)), 0)
+    seconds = np.clip(rng.lognormal(np.log(20), 0.8, samples), 4, 120)
+    fps = rng.choice([24.0, 30.0], samples)
+    wide, high = np.where(rng.random(samples) < 0.6, 1280, 1920), landscape
+    columns["video_frames"] = np.where(clip, np.round(seconds * fps), 0)
+    columns["video_fps"] = np.where(clip, fps, 0)
+    columns["video_width"] = np.where(clip, np.where(high, wide, wide * 9 // 16), 0)
+    columns["video_height"] = np.where(clip, np.where(high, wide * 9 // 16, wide), 0)
+    talk = np.clip(rng.lognormal(np.log(4), 0.7, samples), 0.5, 60)
+    columns["audio_seconds"] = np.where(speech, talk, 0)
+    transcripts = np.maximum(talk * 2.7 * np.exp(rng.normal(0, 0.15, samples)), 1)
+    columns["text_tokens"] = np.where(kind == 0, docs, np.where(speech, transcripts, captions)).astype(np.int64)
+    return columns
+
+
 def run(columns: dict[str, np.ndarray], config: PlanConfig, world_size: int, cost: CostModel) -> dict:
     """One epoch of ``config`` over the generated lengths, dealt to ``world_size`` ranks."""
     samples = len(columns["text_tokens"])
@@ -96,6 +136,7 @@ def run(columns: dict[str, np.ndarray], config: PlanConfig, world_size: int, cos
     last_step.add(step)
     stats = report.stats()
     stats["balance_last_step"] = round(last_step.stats()["balance_max_over_mean"]["worst"], 4)
+    stats.pop("worst_step", None)
     stats["balance_worst_before_last_step"] = round(worst_before_last, 4)
     stats["window_size"] = plan.window_size
     stats["samples_per_micro_batch"] = round(stats["samples"] / max(stats["micro_batches"], 1), 2)
@@ -144,6 +185,56 @@ def multimodal(args: argparse.Namespace) -> dict:
     return out
 
 
+def unseen(args: argparse.Namespace) -> dict:
+    """The unseen four-modality mix (speech 4 %) at each of ``--unseen-budgets`` and ``--mix-world-sizes``."""
+    cost = CostModel(video_fps=2.0, video_max_frames=16)
+    columns = unseen_mix_lengths(args.samples)
+    out: dict = {"cost": cost.model_dump(), "runs": []}
+    for budget in args.unseen_budgets:
+        for world_size in args.mix_world_sizes:
+            bucketing = BucketingConfig(budget=budget, cost=cost, overlong="alone")
+            figures = run(columns, PlanConfig(seed=0, bucketing=bucketing), world_size, cost)
+            out["runs"].append({"budget": budget, "world_size": world_size, **figures})
+    return out
+
+
+def resume_cost(args: argparse.Namespace) -> dict:
+    """Seconds to build the plan, deal the first step, and resume mid-epoch at another world size (a new plan, the
+    saved state, one step), on the unseen mix at its first budget, for ``--samples`` and ten times as many."""
+    cost = CostModel(video_fps=2.0, video_max_frames=16)
+    config = PlanConfig(seed=0, bucketing=BucketingConfig(budget=args.unseen_budgets[0], cost=cost, overlong="alone"))
+    out = []
+    for samples in (args.samples, 10 * args.samples):
+        columns = unseen_mix_lengths(samples)
+
+        def lengths(positions: np.ndarray) -> dict[str, np.ndarray]:
+            return {k: v[positions] for k, v in columns.items()}
+
+        start = time.perf_counter()
+        plan = Plan(samples, config, index_fingerprint="bench", lengths=lengths)
+        built = time.perf_counter()
+        cursor = PlanCursor(plan, world_size=4)
+        cursor.next_step()
+        first = time.perf_counter()
+        for _ in range(1000):
+            cursor.next_step()
+        state = cursor.state_dict()
+        again = time.perf_counter()
+        resumed = PlanCursor(Plan(samples, config, index_fingerprint="bench", lengths=lengths), world_size=3)
+        resumed.load_state_dict(state)
+        resumed.next_step()
+        out.append(
+            {
+                "samples": samples,
+                "window_size": plan.window_size,
+                "plan_built_s": round(built - start, 2),
+                "first_step_s": round(first - built, 2),
+                "resume_s": round(time.perf_counter() - again, 2),
+            }
+        )
+    return {"budget": args.unseen_budgets[0], "world_sizes": [4, 3], "runs": out}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=200_000)
@@ -151,8 +242,21 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=65536)
     parser.add_argument("--mix-budgets", type=float, nargs="+", default=[16384, 32768, 65536])
     parser.add_argument("--mix-world-sizes", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--unseen-budgets", type=float, nargs="+", default=[16384, 65536])
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=["text", "multimodal", "unseen", "resume"],
+        default=["text", "multimodal", "unseen", "resume"],
+    )
     args = parser.parse_args()
-    results = {"text": text_only(args, CostModel(video_fps=2.0)), "multimodal": multimodal(args)}
+    sections = {
+        "text": lambda: text_only(args, CostModel(video_fps=2.0)),
+        "multimodal": lambda: multimodal(args),
+        "unseen": lambda: unseen(args),
+        "resume": lambda: resume_cost(args),
+    }
+    results = {name: sections[name]() for name in args.sections}
     print(
         json.dumps({"samples": args.samples, "world_size": args.world_size, "budget": args.budget, **results}, indent=1)
     )

@@ -1,6 +1,13 @@
 """Decode throughput: JPEG draft mode, and whether Pillow and PyAV release the GIL (threads vs processes).
 
     python benchmarks/bench_decode.py [--seconds 3] [--workers 2]
+    python benchmarks/bench_decode.py --cpu-per-sample [--photos 200] [--rounds 3]
+    python benchmarks/bench_decode.py --feed-epochs [--photos 400]
+
+``--cpu-per-sample`` (issue 29, "decode less") instead reports the process CPU time per sample
+of omnifeed's decoders against a torchvision-style DataLoader decode with the same output, on
+the same generated inputs; ``--feed-epochs`` a whole Feed's CPU per sample by epoch, the
+decoded cache off and on (see `benchmarks/bench_decode_cpu.py`).
 
 Inputs are generated in memory (``omnifeed.tools._demo_data``): a 640×480 JPEG (quality 85)
 decoded to short side 224; a 640×480 PNG likewise; a 2-second 320×240 H.264 clip at 25 fps
@@ -83,8 +90,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--cpu-per-sample", action="store_true", help="CPU per sample against a DataLoader decode")
+    parser.add_argument("--feed-epochs", action="store_true", help="a Feed's CPU per sample, epochs 1-3")
+    parser.add_argument("--photos", type=int, default=200, help="--cpu-per-sample, --feed-epochs: generated photos")
+    parser.add_argument("--rounds", type=int, default=3, help="--cpu-per-sample: passes over the inputs")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.cpu_per_sample:
+        from bench_decode_cpu import cpu_per_sample_report
+
+        print(json.dumps(cpu_per_sample_report(args.photos, args.rounds), indent=2))
+        return
+    if args.feed_epochs:
+        from bench_decode_cpu import feed_epochs_report
+
+        print(json.dumps(feed_epochs_report(args.photos), indent=2))
+        return
     _CASES.update(_cases())
     per_s: dict[str, dict[str, float]] = {}
     for name in _CASES:

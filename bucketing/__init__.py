@@ -5,7 +5,8 @@ from ._buckets import assign_buckets, choose_bucket_streams, estimate_boundaries
 from ._config import BucketingConfig
 from ._cost import INDEX_COLUMNS, STREAMS, CostModel, padded_cost, sample_costs, stream_lengths
 from ._deal import cost_tiers, even_order
-from ._layout import MixLayout, estimate_mix_layout, mix_buckets, mix_masks
+from ._estimate import fill_slots
+from ._layout import MixLayout, choose_window_layout, estimate_mix_layout, mix_buckets, mix_masks
 from ._metrics import balance, costliest, pack_padding_fraction, padding_fraction
 from ._pack import OverlongSampleError, Pack, Segment, pack_window
 
@@ -25,11 +26,13 @@ __all__ = [
     "assign_buckets",
     "balance",
     "choose_bucket_streams",
+    "choose_window_layout",
     "cost_tiers",
     "costliest",
     "estimate_boundaries",
     "estimate_mix_layout",
     "even_order",
+    "fill_slots",
     "light_to_carry",
     "mix_buckets",
     "mix_masks",

@@ -11,25 +11,29 @@ Budget mode, per window:
 
 1. samples go to buckets (cells of per-stream length edges); within a bucket, shortest
    first, a micro-batch takes the next sample while its padded cost stays within budget;
-2. each bucket's last, partly filled micro-batch is a *leftover*; leftovers are pooled,
-   sorted by modality mix, then cost (similar samples meet) and filled the same way;
-3. the last of those borrows from the lookahead while it fits;
-4. light micro-batches are dissolved into ones of their own modality mix with room, or
-   merged pairwise (across mixes) when the merged one fits the budget.
+2. each bucket's last, partly filled micro-batch is a *leftover*; leftovers are pooled by
+   modality mix, sorted by cost (similar samples meet) and filled the same way, a mix at a time;
+3. the last of those borrows from the lookahead while it fits and the next sample is of its mix;
+4. light micro-batches are dissolved into ones of their own modality mix with room (each
+   sample where it adds the least padding);
+5. with ``carry``, the light ones left that have room are carried (`light_to_carry`): they meet
+   a window's worth of their own mix in the next window, instead of another mix here;
+6. a light one left is evened out with micro-batches of its own bucket and mix (`_even_light`);
+7. jumps in the window's costs are bridged with pieces of fluid micro-batches (`_bridge`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
+from ._bridge import bridge_gaps
 from ._cost import CostModel, sample_costs
 from ._layout import mix_masks
-
-_LIGHT = 0.75  # a micro-batch under this fraction of the budget is a leftover worth merging
+from ._leftovers import _absorb_light, _even_light, _padded, _Weights, light_to_carry
 
 
 class OverBudgetError(ValueError):
@@ -50,6 +54,7 @@ class Assembled:
     batches: list[np.ndarray]
     costs: list[float]
     consumed: int
+    carry: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))  # positions for the next window
 
 
 class _Batch:
@@ -73,12 +78,6 @@ class _Batch:
     def add(self, position: int, row: list[float]) -> None:
         self.members.append(position)
         self.longest = [max(a, b) for a, b in zip(self.longest, row)]
-
-
-@dataclass(frozen=True)
-class _Weights:
-    weights: list[float]
-    quadratic: float
 
 
 class _Filler:
@@ -120,6 +119,43 @@ class _Filler:
             self.done.append((self.open.members, self.open.cost(self.weights)))
         self.open = _Batch(self.streams)
 
+    def offer_run(self, order: list[int], table: np.ndarray) -> None:
+        """`offer` each of ``order`` in turn, into an empty open micro-batch, whole micro-batches at a time.
+
+        The same micro-batches and costs, bit for bit, as offering one by one (`_padded` sums in the
+        scalar cost's order): the running maxima of a stretch of rows give every prefix's cost at once.
+        """
+        rows, n, a, guess = table[order], len(order), 0, 16
+        while a < n:
+            span = n - a if self.max_size is None else min(n - a, self.max_size)
+            while True:  # a stretch long enough to hold the first sample over the budget, or the whole span
+                stretch = min(span, guess)
+                longest = np.maximum.accumulate(rows[a : a + stretch], axis=0)
+                over = np.flatnonzero(_padded(np.arange(1, stretch + 1), longest, self.weights) > self.budget)
+                if over.size or stretch == span:
+                    break
+                guess *= 2
+            taken = int(over[0]) if over.size else stretch
+            if taken == 0:  # alone, it is over budget
+                self.offer(order[a], rows[a].tolist())
+                a += 1
+                continue
+            members = order[a : a + taken]
+            if a + taken == n:  # the run's last: it stays open, as `offer` leaves it
+                self.open = _Batch(self.streams)
+                for i, position in enumerate(members):
+                    self.open.add(position, rows[a + i].tolist())
+            else:
+                self.done.append((list(members), self.open_cost(longest[taken - 1], taken)))
+            guess = max(16, 2 * taken)
+            a += taken
+
+    def open_cost(self, longest: np.ndarray, size: int) -> float:
+        """The scalar cost of ``size`` samples whose streams' longest are ``longest``."""
+        batch = _Batch(self.streams)
+        batch.members, batch.longest = [0] * size, longest.tolist()
+        return batch.cost(self.weights)
+
 
 def _rows(lengths: Mapping[str, np.ndarray], streams: list[str]) -> list[list[float]]:
     return np.stack([lengths[s].astype(np.float64) for s in streams], axis=1).tolist() if streams else []
@@ -130,102 +166,16 @@ def _fill_buckets(
 ) -> tuple[_Filler, list[int]]:
     """Fill each bucket shortest first; each bucket's partly filled last micro-batch becomes leftovers."""
     leftovers: list[int] = []
-    for bucket in np.unique(buckets).tolist():
-        members = np.flatnonzero(buckets == bucket)
-        for i in members[np.argsort(costs[members], kind="stable")].tolist():
-            filler.offer(i, rows[i])
+    table = np.asarray(rows, dtype=np.float64).reshape(len(rows), streams)
+    order = np.argsort(buckets, kind="stable")
+    sorted_buckets = buckets[order]
+    starts = np.flatnonzero(np.r_[True, sorted_buckets[1:] != sorted_buckets[:-1]]) if order.size else order
+    for a, b in zip(starts.tolist(), [*starts[1:].tolist(), order.size]):
+        members = order[a:b]
+        filler.offer_run(members[np.argsort(costs[members], kind="stable")].tolist(), table)
         leftovers.extend(filler.open.members)
         filler.open = _Batch(streams)
     return filler, leftovers
-
-
-def _padded(sizes: np.ndarray, longest: np.ndarray, weights: _Weights) -> np.ndarray:
-    """Padded cost of micro-batches of ``sizes`` samples whose streams' longest are the rows of ``longest``."""
-    return sizes * ((longest + weights.quadratic * longest * longest) @ np.asarray(weights.weights, dtype=np.float64))
-
-
-def _absorb_light(
-    done: list[tuple[list[int], float]],
-    rows: list[list[float]],
-    present: np.ndarray,
-    weights: _Weights,
-    budget: float,
-    max_size: int | None,
-) -> list[tuple[list[int], float]]:
-    """Spread each light micro-batch's samples over micro-batches of their own modality mix that have room.
-
-    A sample goes where it leaves the fullest micro-batch within budget; a light micro-batch is
-    dissolved only when all its samples find room (otherwise it stays whole).
-    """
-    if len(done) < 2 or not rows:
-        return done
-    table = np.asarray(rows, dtype=np.float64)
-    members = [list(batch) for batch, _ in done]
-    sizes = np.array([len(m) for m in members], dtype=np.float64)
-    longest = np.stack([table[m].max(axis=0) for m in members])
-    kinds = np.array([present[m[0]] if np.all(present[m] == present[m[0]]) else -1 for m in members])  # -1: mixed
-    costs = np.array([cost for _, cost in done])
-    alive = np.ones(len(done), dtype=bool)
-    for k in np.argsort(costs, kind="stable").tolist():
-        if costs[k] >= _LIGHT * budget:
-            continue
-        alive[k] = False
-        trial_sizes, trial_longest, trial_costs, moves = sizes.copy(), longest.copy(), costs.copy(), []
-        for sample in members[k]:
-            top = np.maximum(trial_longest, table[sample])
-            with_it = _padded(trial_sizes + 1, top, weights)
-            fits = alive & (kinds == present[sample]) & (with_it <= budget)
-            if max_size is not None:
-                fits &= trial_sizes < max_size
-            if not fits.any():
-                break
-            j = int(np.argmax(np.where(fits, with_it, -1.0)))
-            trial_sizes[j], trial_longest[j], trial_costs[j] = trial_sizes[j] + 1, top[j], with_it[j]
-            moves.append((sample, j))
-        if len(moves) < len(members[k]):
-            alive[k] = True
-            continue
-        for sample, j in moves:
-            members[j].append(sample)
-        sizes, longest, costs = trial_sizes, trial_longest, trial_costs
-    return [(members[i], float(costs[i])) for i in np.flatnonzero(alive).tolist()]
-
-
-def _merge_light(
-    done: list[tuple[list[int], float]], rows: list[list[float]], weights: _Weights, budget: float, max_size: int | None
-) -> list[tuple[list[int], float]]:
-    """Merge light micro-batches (leftovers of rare modality mixes) pairwise while the merged one fits the budget.
-
-    Lightest first, each into the light partner that leaves the fullest micro-batch: a step that
-    deals a leftover of 0.3 budgets beside full micro-batches is what unbalances ranks, and the
-    padding a mixed micro-batch adds (rows of absent streams) is bounded by the leftovers' size.
-    """
-    light = [i for i, (_, cost) in enumerate(done) if cost < _LIGHT * budget]
-    if len(light) < 2:
-        return done
-    sizes = np.array([len(done[i][0]) for i in light], dtype=np.float64)
-    longest = np.array([np.max([rows[m] for m in done[i][0]], axis=0) for i in light], dtype=np.float64).reshape(
-        len(light), -1
-    )
-    costs = np.array([done[i][1] for i in light])
-    alive = np.ones(len(light), dtype=bool)
-    members = {i: list(done[i][0]) for i in light}
-    for k in np.argsort(costs, kind="stable").tolist():
-        if not alive[k] or costs[k] > budget / 2:  # two costing more than half a budget never fit together
-            continue
-        top = np.maximum(longest, longest[k])
-        merged = _padded(sizes + sizes[k], top, weights)
-        fits = alive & (merged <= budget) & (np.arange(len(light)) != k)
-        if max_size is not None:
-            fits &= sizes + sizes[k] <= max_size
-        if not fits.any():
-            continue
-        j = int(np.argmax(np.where(fits, merged, -1.0)))
-        members[light[j]].extend(members[light[k]])
-        sizes[j], longest[j], costs[j] = sizes[j] + sizes[k], top[j], merged[j]
-        alive[k] = False
-    kept = {light[k]: (members[light[k]], float(costs[k])) for k in np.flatnonzero(alive).tolist()}
-    return [kept[i] if i in kept else batch for i, batch in enumerate(done) if i in kept or i not in members]
 
 
 def assemble_budget(
@@ -239,8 +189,15 @@ def assemble_budget(
     overlong: Literal["reject", "alone"] = "reject",
     lookahead_positions: np.ndarray | None = None,
     lookahead_lengths: Mapping[str, np.ndarray] | None = None,
+    carry: int = 0,
+    lookahead_ends_epoch: bool = False,
 ) -> Assembled:
-    """Bucket, fill to ``budget`` and borrow from the lookahead; ``lengths``/``buckets`` align with ``positions``."""
+    """Bucket, fill to ``budget``, borrow from the lookahead and carry light leftovers; ``lengths``/``buckets`` align with ``positions``.
+
+    ``carry``: at most this many samples of light micro-batches go to `Assembled.carry` (0 for
+    a window that ends its epoch); ``lookahead_ends_epoch``: the lookahead runs to the epoch's
+    end, so a window that borrows all of it ends the epoch and carries nothing.
+    """
     streams = [s for s in lengths if model.weight(s) > 0]
     weights = _Weights([model.weight(s) for s in streams], model.quadratic)
     rows = _rows(lengths, streams)
@@ -250,45 +207,46 @@ def assemble_budget(
         filler, leftovers = _fill_buckets(filler, rows, buckets, costs, len(streams))
     except OverBudgetError as exc:  # name the sample by its position, not its place in the window
         raise OverBudgetError(int(positions[exc.position]), exc.cost, exc.budget) from None
-    # leftovers meet by modality mix first (no rows of pure padding), then by cost
+    # leftovers meet by modality mix (no rows of pure padding), a mix at a time, then by cost
     present = mix_masks(lengths, tuple(streams))
     by_cost = np.lexsort([costs[leftovers], present[leftovers]]) if leftovers else np.zeros(0, dtype=np.int64)
     for k in by_cost.tolist():
+        if filler.open.members and present[filler.open.members[0]] != present[leftovers[k]]:
+            filler.close()
         filler.offer(leftovers[k], rows[leftovers[k]])
     consumed = 0
+    cells = np.asarray(buckets, dtype=np.int64)
     if lookahead_positions is not None and lookahead_lengths is not None and filler.open.members:
         extra = _rows(lookahead_lengths, streams)
-        while consumed < len(extra) and filler.fits(extra[consumed]):
+        extra_mix = mix_masks(lookahead_lengths, tuple(streams))
+        mix = present[filler.open.members[0]]
+        while consumed < len(extra) and extra_mix[consumed] == mix and filler.fits(extra[consumed]):
             filler.open.add(len(rows) + consumed, extra[consumed])
             consumed += 1
         rows = rows + extra[:consumed]
-        present = np.concatenate([present, mix_masks(lookahead_lengths, tuple(streams))[:consumed]])
+        present = np.concatenate([present, extra_mix[:consumed]])
+        cells = np.concatenate(
+            [cells, np.full(consumed, cells[filler.open.members[0]], dtype=np.int64)]
+        )  # borrowed: its bucket
     filler.close()
-    filler.done = _absorb_light(filler.done, rows, present, weights, budget, max_batch_size)
-    filler.done = _merge_light(filler.done, rows, weights, budget, max_batch_size)
+    filler.done = _absorb_light(filler.done, rows, present, weights, budget, max_batch_size, cells)
     pool = np.concatenate([positions, lookahead_positions[:consumed]]) if lookahead_positions is not None else positions
+    carried = np.empty(0, dtype=np.int64)
+    if carry and not (
+        lookahead_ends_epoch and lookahead_positions is not None and consumed == len(lookahead_positions)
+    ):
+        moved = light_to_carry([c for _, c in filler.done], [len(m) for m, _ in filler.done], budget, carry)
+        if moved:
+            carried = pool[np.asarray([i for k in moved for i in filler.done[k][0]], dtype=np.int64)]
+            filler.done = [batch for k, batch in enumerate(filler.done) if k not in set(moved)]
+    filler.done = _even_light(filler.done, rows, present, weights, budget, max_batch_size, cells)
+    filler.done = bridge_gaps(filler.done, rows, cells, weights, budget, max_batch_size, present)
     return Assembled(
         batches=[pool[np.asarray(members, dtype=np.int64)] for members, _ in filler.done],
         costs=[cost for _, cost in filler.done],
         consumed=consumed,
+        carry=carried,
     )
-
-
-def light_to_carry(costs: Sequence[float], sizes: Sequence[int], budget: float, limit: int) -> list[int]:
-    """Indices of the light micro-batches (under 0.75 of ``budget``) to carry to the next window, at most ``limit`` samples.
-
-    Only leftovers with room for one more sample like their longest (cost × (n + 1) / n within
-    budget): a lone sample costing 0.6 of the budget is as light in any window, so it stays.
-    Lightest first; one that would take the total over ``limit`` is skipped (stays in its window).
-    """
-    chosen, total = [], 0
-    for i in sorted(range(len(costs)), key=lambda k: (costs[k], k)):
-        if costs[i] >= _LIGHT * budget:
-            break
-        if costs[i] * (sizes[i] + 1) / sizes[i] <= budget and total + sizes[i] <= limit:
-            chosen.append(i)
-            total += sizes[i]
-    return sorted(chosen)
 
 
 def assemble_fixed(positions: np.ndarray, batch_size: int, lookahead_positions: np.ndarray | None = None) -> Assembled:

@@ -80,3 +80,9 @@ class CacheConfig(BaseModel):
         description="Cache the bytes as read (raw), or the decoder's output (decoded: skips decoding on a hit, "
         "several times larger for images).",
     )
+    decoded_when_room: bool = Field(
+        default=True,
+        description="With entries='raw' and a RAM tier: also keep each freshly decoded value (text, image, video, "
+        "audio) in the RAM tier while it has free room (an eighth of it is left for raw entries; nothing is evicted "
+        "for a decoded entry), so from the second epoch those fields skip decoding. false: raw entries only.",
+    )

@@ -62,6 +62,7 @@ def write_labelled_parquet(path: Path, count: int = 10) -> Path:
     return path
 
 
-def index_of(sources: list[Path], out: Path) -> SampleIndex:
-    """The index of ``sources`` built into ``out``."""
-    return SampleIndex(build_index([str(p) for p in sources], out, IndexConfig(workers=1), progress=False).path)
+def index_of(sources: list[Path], out: Path, config: IndexConfig | None = None) -> SampleIndex:
+    """The index of ``sources`` built into ``out`` (in this process: ``config.workers`` is 1)."""
+    config = (config or IndexConfig()).model_copy(update={"workers": 1})
+    return SampleIndex(build_index([str(p) for p in sources], out, config, progress=False).path)

@@ -142,6 +142,29 @@ def test_loader_stages_import_downwards_only() -> None:
     assert not wrong, "a stage imports a higher (or a sibling) stage:\n" + "\n".join(wrong)
 
 
+def test_loader_stages_import_one_another_through_their_init_only() -> None:
+    """A stage's ``__init__`` is its contract: another stage imports what it exports, never a ``_module`` of it."""
+
+    def stage(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[2] if len(parts) > 2 and parts[2] in LOADER_RANKS else None
+
+    wrong = [
+        f"{imp.module}:{imp.line} imports {imp.target} {', '.join(imp.names)}"
+        for imp in IMPORTS
+        if imp.module.startswith("omnifeed.loader.")
+        and imp.target.startswith("omnifeed.loader.")
+        and stage(imp.module) is not None
+        and stage(imp.target) is not None
+        and stage(imp.module) != stage(imp.target)
+        and (
+            any(part.startswith("_") for part in imp.target.split(".")[3:])
+            or any(name.startswith("_") for name in imp.names)
+        )
+    ]
+    assert not wrong, "import the stage's public name (its __init__ exports it):\n" + "\n".join(wrong)
+
+
 @pytest.mark.parametrize("package", [p for p, path in MODULES.items() if path.name == "__init__.py"])
 def test_each_package_exports_a_sorted_all(package: str) -> None:
     tree = ast.parse(MODULES[package].read_text(encoding="utf-8"))

@@ -353,8 +353,15 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         "omnifeed beside DataLoader, WebLoader, StatefulDataLoader, Streaming, LitData "
         "and DALI (those installed): throughput, CPU, memory, resume cost, as ratios",
-        "omnifeed bench --quick",
         "omnifeed bench --data /data/shards --loaders omnifeed,dataloader --rounds 3",
+        "omnifeed bench --scenario training --mixed 1024 --rounds 3",
+    )
+    bench.add_argument(
+        "--scenario",
+        choices=("loaders", "training"),
+        default="loaders",
+        help="loaders: each loader's throughput, CPU, memory, resume cost (default); training: a simulated "
+        "synchronous data-parallel job of --node-ranks ranks over the multimodal mix, GPU utilisation per loader",
     )
     bench.add_argument(
         "--data",
@@ -364,7 +371,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--images", type=_positive_int, default=2048, help="generated images (default 2048)")
     bench.add_argument("--mixed", type=_positive_int, default=1536, help="generated multimodal samples (default 1536)")
     bench.add_argument("--workers", type=_positive_int, default=2, help="CPU workers every loader gets (default 2)")
-    bench.add_argument("--batch-size", type=_positive_int, default=64, help="samples per batch (default 64)")
+    bench.add_argument(
+        "--batch-size", type=_positive_int, help="samples per batch (default 64; 8 in the training scenario)"
+    )
     bench.add_argument("--rounds", type=_positive_int, default=1, help="runs per loader, alternating; medians reported")
     bench.add_argument(
         "--loaders", default=",".join(BENCH_LOADERS), help=f"comma-separated subset of {','.join(BENCH_LOADERS)}"
@@ -385,8 +394,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=2,
         metavar="N",
-        help="trainer ranks of the node scenario: N data-parallel ranks, then N tensor-parallel peers, "
-        "one service against a DataLoader per rank (0: skip; default 2)",
+        help="trainer ranks of the node scenario (N data-parallel ranks, then N tensor-parallel peers, "
+        "one service against a DataLoader per rank; 0: skip) and of the training scenario (default 2)",
     )
     bench.add_argument(
         "--quick", action="store_true", help="tiny sizes: checks the harness, not speed (the test suite's)"
@@ -449,6 +458,8 @@ def _positive_int(text: str) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
+    if args.scenario == "training":
+        return _run_bench_training(args)
     from ._bench import BenchConfig, bench_command
 
     loaders = [name for name in args.loaders.split(",") if name]
@@ -461,7 +472,7 @@ def _run_bench(args: argparse.Namespace) -> int:
     sizes = (
         dict(images=64, mixed=32, batch_size=16, limit_seconds=0.5)
         if args.quick
-        else dict(images=args.images, mixed=args.mixed, batch_size=args.batch_size)
+        else dict(images=args.images, mixed=args.mixed, batch_size=args.batch_size or 64)
     )
     config = BenchConfig(
         work=Path(args.out),
@@ -475,6 +486,20 @@ def _run_bench(args: argparse.Namespace) -> int:
     )
     resume = min(args.resume_samples, 20_000) if args.quick else args.resume_samples
     return bench_command(config, resume_samples=resume)
+
+
+def _run_bench_training(args: argparse.Namespace) -> int:
+    from ._bench_training import TrainingConfig, training_command
+
+    if args.node_ranks < 2:
+        raise ValueError("--scenario training needs --node-ranks 2 or more (the data-parallel ranks)")
+    sizes = (
+        dict(samples=64, batch_size=4, rounds=1)
+        if args.quick
+        else dict(samples=args.mixed, batch_size=args.batch_size or 8, rounds=args.rounds)
+    )
+    config = TrainingConfig(work=Path(args.out), ranks=args.node_ranks, workers=args.workers, **sizes)
+    return training_command(config)
 
 
 def _positive_minutes(text: str) -> float:

@@ -376,6 +376,8 @@ def _guidance(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
             "samples_per_micro_batch": round(figures["samples"] / max(figures["micro_batches"], 1), 3),
             "padding_fraction": figures["padding_fraction"],
             "balance_max_over_mean": figures["balance_max_over_mean"],
+            "balance_worst_before_final_step": figures["balance_worst_before_final_step"],
+            "limits": figures["limits"],
         }
     return guidance
 

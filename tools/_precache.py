@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from omnifeed.cache import CacheConfig, NvmeTier, NvmeTierConfig, RemoteTierConfig
 from omnifeed.loader import DecodeConfig, FieldLocation, IndexedSample, SampleIndex, make_decoder
+from omnifeed.loader.decode import follow_index_tokenizer
 from omnifeed.loader.feed import FieldSource, encode_decoded, fields_to_decode
 
 _CHUNK_SAMPLES = 256  # index rows looked up at once
@@ -171,9 +172,10 @@ class _PartitionTask:
         self.job, self.partition = job, partition
         self.index = _open_index(job.index)
         self.start, self.stop = partition_span(self.index, partition)
+        self.decode = follow_index_tokenizer(job.decode, self.index.manifest)  # the feed's decoders, keys alike
         # a chain without tiers: keys and origin reads only; this task writes the tier itself, in batches
         self.source = FieldSource(
-            CacheConfig(remote=job.remote, entries=job.entries), self.index.fingerprint, job.decode
+            CacheConfig(remote=job.remote, entries=job.entries), self.index.fingerprint, self.decode
         )
         self.tier = NvmeTier(job.nvme)
         self.threads = ThreadPoolExecutor(job.remote.io_threads, thread_name_prefix="omnifeed-precache")
@@ -241,7 +243,7 @@ class _PartitionTask:
     def _decoder(self, modality: str) -> Any:
         with self._decoders_lock:
             if modality not in self._decoders:
-                self._decoders[modality] = make_decoder(modality, self.job.decode)
+                self._decoders[modality] = make_decoder(modality, self.decode)
             return self._decoders[modality]
 
     def _collect(self, future: Future[bytes], sample: IndexedSample, location: FieldLocation, key: bytes) -> None:

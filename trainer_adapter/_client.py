@@ -43,6 +43,7 @@ from omnifeed.loader.service import (
     check_reply,
     connect,
     default_socket,
+    next_request,
     receive,
     send,
 )
@@ -281,12 +282,15 @@ class FeedClient:
         if self._feed is not None:
             return self._feed.next_batch()
         deadline = time.monotonic() + self.reconnect_timeout_s
+        handoff = self._handoff
         while True:
             try:
-                sock = self._connected(deadline)
+                sock = self._sock if self._sock is not None else self._connected(deadline)
                 started = time.perf_counter()
-                send(sock, {"op": "next", "release": self._handoff.released_to(self._service)})
-                message = check_reply(self._handoff.receive(sock, self._service), "batch")
+                sock.sendall(next_request(handoff.released_to(self._service)))  # a ready-made frame: once a batch
+                message = handoff.receive(sock, self._service)
+                if message["op"] != "batch":
+                    check_reply(message, "batch")
                 self.waited_s += time.perf_counter() - started
             except (OSError, EOFError, ServiceError) as exc:
                 self._lost(exc, deadline)

@@ -100,21 +100,30 @@ class SegmentView:
         return typed.as_strided(shape, strides[::-1], offset // itemsize)
 
 
+_KEPT_LAYOUTS = 32
+"""Layouts a kept segment remembers with their tensors: a batch whose sizes vary (text lengths) moves the arrays after
+the varying one, so the same few layouts come back in turn; a layout seen before costs no tensor then."""
+_KEPT_TENSORS = 256
+"""Tensors a kept segment remembers by reference, across its layouts (a new layout builds only its new ones)."""
+
+
 class KeptSegment:
-    """A segment of the stream, mapped for as long as the service keeps it, with the tensors of its last layout."""
+    """A segment of the stream, mapped for as long as the service keeps it, with the tensors of its recent layouts."""
 
     def __init__(self, mapped: mmap.mmap, slot: int, generation: int) -> None:
         import torch
 
         self.view = SegmentView(mapped, slot, generation, eager=True)
-        self._storage = self.view.bytes.untyped_storage()  # its Python object: a trainer may hold that too
+        self._bytes = self.view.bytes  # its version counter is every view's: an in-place change shows there
+        self._storage = self._bytes.untyped_storage()  # its Python object: a trainer may hold that too
         self._pointer = self._storage._cdata
         self._use_count = torch._C._storage_Use_Count
         self.layout: bytes | None = None
         self._template: Any = ({}, {})
         self._tensors: tuple[torch.Tensor, ...] = ()
         self._floating: tuple[torch.Tensor, ...] = ()
-        self._refs: list[bytes] = []
+        self._layouts: dict[bytes, tuple[Any, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
+        self._by_ref: dict[bytes, torch.Tensor] = {}
         self._baseline: tuple[Any, ...] = ()
         self._version = 0
 
@@ -124,46 +133,66 @@ class KeptSegment:
         ``made``: tensors of this segment the batch holds outside its layout (in lists), made while decoding it.
         """
         if layout != self.layout or not self._intact():
-            self._build(layout)
+            self._switch(layout)
             self._baseline = self._counts(made)
         return merge(rest, self._template)
 
     def held(self) -> bool:
-        """Whether anything outside the client still refers to the segment's memory (its last batch is not back)."""
-        return self._counts() != self._baseline
+        """Whether anything outside the client still refers to the segment's memory (its last batch is not back).
+
+        The Python reference counts first: a batch the trainer still holds fails there, before any call into torch.
+        """
+        use, storage_refs, refs, uses = self._baseline
+        if [sys.getrefcount(t) for t in self._tensors] != refs or sys.getrefcount(self._storage) != storage_refs:
+            return True
+        return self._use_count(self._pointer) != use or [t._use_count() for t in self._tensors] != uses  # type: ignore[attr-defined]
 
     def _counts(self, made: int = 0) -> tuple[Any, ...]:
         """What refers to the segment: ``made`` of its storage's users are the frame's own tensors outside the layout."""
-        tensors = self._tensors
-        return (
+        return (  # the same expressions as `held`: a reference count counts the references the expression makes
             self._use_count(self._pointer) - made,
             sys.getrefcount(self._storage),
-            [sys.getrefcount(t) for t in tensors],
-            [t._use_count() for t in tensors],  # type: ignore[attr-defined]
+            [sys.getrefcount(t) for t in self._tensors],
+            [t._use_count() for t in self._tensors],  # type: ignore[attr-defined]
         )
 
     def _intact(self) -> bool:
         """No tensor of the segment was changed in place (data or shape) or set to require grad."""
-        return self.view.bytes._version == self._version and not any(t.requires_grad for t in self._floating)
+        if self._bytes._version != self._version:
+            return False
+        return not self._floating or not any(t.requires_grad for t in self._floating)
 
-    def _build(self, layout: bytes) -> None:
-        reuse = dict(zip(self._refs, self._tensors)) if self.layout is not None and self._intact() else {}
-        self.layout, self._template, self._tensors = None, ({}, {}), ()  # a malformed layout leaves nothing half-built
-        entries = read_layout(layout)
+    def _switch(self, layout: bytes) -> None:
+        """Make ``layout`` the current one: remembered, or built (from remembered tensors where its references match)."""
+        if not self._intact():  # the trainer changed a tensor: none is handed out again
+            self._layouts.clear()
+            self._by_ref.clear()
+        self.layout, self._template, self._tensors, self._floating = None, ({}, {}), (), ()
+        built = self._layouts.pop(layout, None)
+        if built is None:
+            built = self._build(layout)
+            if len(self._layouts) >= _KEPT_LAYOUTS:
+                del self._layouts[next(iter(self._layouts))]  # the least recently used
+        self._layouts[layout] = built  # most recent last
+        self.layout = layout
+        self._template, self._tensors, self._floating = built
+        self._version = self._bytes._version
+
+    def _build(self, layout: bytes) -> tuple[Any, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        entries = read_layout(layout)  # a malformed layout raises before anything changes
+        by_ref = self._by_ref
 
         def make(ref: bytes) -> torch.Tensor:
-            tensor = reuse.get(ref)
+            tensor = by_ref.get(ref)
             if tensor is None:
-                tensor = reuse[ref] = self.view.tensor(ref)
+                tensor = self.view.tensor(ref)
+                if len(by_ref) >= _KEPT_TENSORS:
+                    by_ref.clear()  # layouts keep their own; later ones build again
+                by_ref[ref] = tensor
             return tensor
 
         template, tensors = build_template(entries, make)
-        reuse.clear()  # drop the old tensors this build did not take over
-        del make
-        self._refs = [ref for _, ref in entries if ref is not None]
-        self.layout, self._template, self._tensors = layout, template, tuple(tensors)
-        self._floating = tuple(t for t in tensors if t.is_floating_point())
-        self._version = self.view.bytes._version
+        return template, tuple(tensors), tuple(t for t in tensors if t.is_floating_point())
 
 
 class Handoff:
@@ -191,9 +220,11 @@ class Handoff:
                 self._assemble(message, service)
         finally:
             body.release()
-            for fd in self._fds:  # sent but not referred to: nothing to map
-                os.close(fd)
-            self._fds, self._fresh, self._made = [], None, 0
+            if self._fds:
+                for fd in self._fds:  # sent but not referred to: nothing to map
+                    os.close(fd)
+                self._fds = []
+            self._fresh, self._made = None, 0
         return message
 
     def released_to(self, service: str) -> list[int]:
@@ -222,15 +253,20 @@ class Handoff:
         self._kept.clear()
 
     def _assemble(self, message: dict[str, Any], service: str) -> None:
-        for forgotten in message.get("forget") or ():  # segments the service gave up: unmap (live tensors keep theirs)
-            self._kept.pop((int(forgotten[0]), int(forgotten[1])), None)
-        slot, generation = int(message["segment"][0]), int(message["segment"][1])
-        layout, seq = message["layout"], int(message["seq"])
-        if not isinstance(layout, bytes) or not isinstance(message["batch"], dict):
+        if "forget" in message:  # segments the service gave up: unmap (live tensors keep theirs)
+            for forgotten in message["forget"] or ():
+                self._kept.pop((int(forgotten[0]), int(forgotten[1])), None)
+        segment, layout, seq, rest = message["segment"], message["layout"], message["seq"], message["batch"]
+        slot, generation = segment[0], segment[1]
+        if type(slot) is not int or type(generation) is not int or type(seq) is not int:
+            raise ProtocolError("a batch frame whose segment or number is not an integer")
+        if type(layout) is not bytes or type(rest) is not dict:
             raise ProtocolError("a batch frame without a layout or a batch")
-        kept = self._segment(slot, generation) if layout or self._made else None
-        if isinstance(kept, KeptSegment) and self._fresh is None:
-            message["batch"] = kept.assemble(message["batch"], layout, self._made)
+        kept = None
+        if layout or self._made:
+            kept = self._kept.get((slot, generation)) or self._segment(slot, generation)  # mostly the look-up alone
+        if type(kept) is KeptSegment and self._fresh is None:
+            message["batch"] = kept.assemble(rest, layout, self._made)
             self._leases.append((service, seq, kept))
             return
         view = self._fresh_view(slot, generation) if layout or self._made else None

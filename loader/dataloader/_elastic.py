@@ -19,9 +19,7 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
-from ..plan._config import PlanConfig
-from ..plan._cursor import PlanCursor
-from ..plan._plan import Plan
+from ..plan import Plan, PlanConfig, PlanCursor
 
 
 def check_rank(world_size: int, rank: int) -> None:

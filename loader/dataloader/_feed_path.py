@@ -17,9 +17,8 @@ from typing import Any
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory
 
-from ..feed._config import FeedConfig
-from ..feed._feed import Feed
-from ..index._sample_index import SampleIndex
+from ..feed import Feed, FeedConfig
+from ..index import SampleIndex
 
 _TORCH_DEFAULTS: dict[str, Any] = {
     "batch_size": 1,

@@ -32,9 +32,8 @@ import torch.utils.data
 from torch.utils.data import Dataset, IterableDataset, IterDataPipe, MapDataPipe, Sampler
 from torch.utils.data.dataloader import _DatasetKind
 
-from ..feed._config import FeedConfig
-from ..feed._feed import Feed
-from ..index._sample_index import SampleIndex
+from ..feed import Feed, FeedConfig
+from ..index import SampleIndex
 from ._elastic import ElasticBatchSampler
 from ._feed_path import feed_batches, feed_steps_left, is_index, open_feed
 from ._iterators import LoaderIterator, LoaderMetrics, SingleProcessIterator, draw_base_seed

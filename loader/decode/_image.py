@@ -10,8 +10,10 @@
   the cost model, which measure the stored pixels.
 - Resize: `resized_size` (the cost model's arithmetic); ``crop='center'`` resizes the centred
   square of the source straight to ``size × size`` (one resample, no intermediate image).
-  JPEG draft mode (``config.draft``) lets libjpeg decode at 1/2, 1/4 or 1/8 scale when that is
-  still at least the target size; the output size never changes.
+  JPEG draft mode (``config.draft``, on by default) lets libjpeg decode at 1/2, 1/4 or 1/8 scale
+  (in the DCT domain) when that is still at least the target size; the output size never
+  changes, the pixels a little (0.4 levels on average); off, they are Pillow's plain decode
+  and resize exactly.
 - Errors: 'empty' (no bytes), 'truncated' (Pillow: "image file is truncated", or end of
   data), 'bomb', 'corrupt' (anything else Pillow rejects), 'unsupported' (a pixel mode
   that has no RGB conversion). ``PIL.ImageFile.LOAD_TRUNCATED_IMAGES = True`` (a global

@@ -10,7 +10,11 @@
    ``num_frames`` (or ``max_frames``) frames.
 3. Only the packets needed are decoded: from the nearest keyframe at or before each chosen
    frame (skipping whole GOPs between sparse samples), stopping as soon as the last chosen
-   frame is out. Each chosen frame is resized and converted to RGB in libswscale.
+   frame is out; on the way, a frame that is not chosen and that no other frame refers to
+   (FFmpeg's ``skip_frame='NONREF'``: most B-frames) is not decoded at all, which leaves the
+   chosen frames' pixels unchanged. Each chosen frame is resized in the decoder's pixel format,
+   then converted to RGB, in libswscale (two passes with reused contexts: measured faster than
+   one ``reformat(width, height, 'rgb24')``, as the frame is scaled before it is converted).
 
 Errors: 'empty'; 'unsupported' (streams, but no video stream; none at all is 'corrupt');
 'bomb' (frame size over ``max_pixels``: the header's, or a size that grows mid-stream, which
@@ -91,13 +95,17 @@ class _Decoder:
     ) -> None:
         self.codec, self.wanted, self.limit, self.convert, self.key = codec, wanted, limit, convert, key
         self.max_pixels = max_pixels
-        self.decoded, self.drained = 0, False
+        self.decoded, self.drained, self.skipping = 0, False, False
         self.frames: dict[int, np.ndarray] = {}
 
     def feed(self, packet: Any, last: bool) -> None:
         if self.drained:
             self.codec.flush_buffers()
             self.drained = False
+        if self.wanted is not None and (packet.pts not in self.wanted) != self.skipping:
+            # a frame no other frame refers to (most B-frames) is not decoded unless it is wanted
+            self.skipping = not self.skipping
+            self.codec.skip_frame = "NONREF" if self.skipping else "DEFAULT"
         try:
             frames = self.codec.decode(packet)
         except Exception as exc:

@@ -1,23 +1,30 @@
 """omnifeed.loader.feed: the engine — pipeline, pools, field reads through the caches, transforms, healing, collate,
 metrics."""
 
-from ._collate import Decoded, collate
+from ._collate import Decoded, collate, uncollate
 from ._config import FeedConfig, PoolConfig
+from ._dealing import DealtSteps
 from ._decoded_codec import encode_decoded
-from ._feed import FEED_STATE_FORMAT, Feed, SharedResources, Taken
+from ._feed import FEED_STATE_FORMAT, Feed, SharedResources, Taken, feed_state, with_index_tokenizer
 from ._field_source import FieldSource
 from ._healing import FeedError
-from ._pipeline import fields_to_decode
+from ._metrics import FeedMetrics
+from ._pipeline import FieldReader, fields_to_decode
+from ._pools import DecodePools
 from ._torch_batch import to_torch
 from ._transform_config import HorizontalFlip, RandomResizedCrop, TransformsConfig, TransformStep, UserTransform
 from ._transforms import transform_generators
 
 __all__ = [
+    "DealtSteps",
+    "DecodePools",
     "Decoded",
     "FEED_STATE_FORMAT",
     "Feed",
     "FeedConfig",
     "FeedError",
+    "FeedMetrics",
+    "FieldReader",
     "FieldSource",
     "HorizontalFlip",
     "PoolConfig",
@@ -29,7 +36,10 @@ __all__ = [
     "UserTransform",
     "collate",
     "encode_decoded",
+    "feed_state",
     "fields_to_decode",
     "to_torch",
     "transform_generators",
+    "uncollate",
+    "with_index_tokenizer",
 ]

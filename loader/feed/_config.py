@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ...cache import CacheConfig
 from .._config import load_yaml, validated
 from .._config_paths import FEED_PATHS, resolve_paths
-from ..decode._config import DecodeConfig
-from ..plan._config import PlanConfig
+from ..decode import DecodeConfig
+from ..plan import PlanConfig
 from ._remote_config import RemoteConfig, check_remote_pools
 from ._transform_config import TransformsConfig
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..decode._common import as_numpy, is_torch_tensor
+from ..decode import as_numpy, is_torch_tensor
 
 _MAGIC = b"OFD1"
 _MAX_DEPTH = 32  # tuples in tuples: a decoder's output is shallow; a deep entry is damage, not data

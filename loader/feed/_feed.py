@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import IO, Any
 
 from .._modalities import MODALITIES
-from ..decode._registry import make_decoder
-from ..index._sample_index import SampleIndex
-from ..plan._audit import delivery_record, open_audit_log
-from ..plan._cursor import PlanCursor, steps_left_in_epoch
-from ..plan._plan import Plan
+from ..decode import follow_index_tokenizer, make_decoder
+from ..index import SampleIndex
+from ..plan import Plan, PlanCursor, delivery_record, open_audit_log, steps_left_in_epoch
 from ._collate import Decoded, collate
 from ._config import FeedConfig
+from ._dealing import DealtSteps
 from ._healing import ErrorBudget, FeedError, SampleFailure, fallback_positions, replacement_slot
 from ._metrics import FeedMetrics
 from ._pipeline import FieldReader, Handover, PendingBatch, Pipeline, Slot, fields_to_decode
@@ -62,13 +61,15 @@ def feed_state(plan: Plan, state: Mapping[str, Any] | None, *, world_size: int, 
 @dataclass(frozen=True)
 class SharedResources:
     """What the feeds of one owner share (the service's streams): its plan, field reader (cache tiers, I/O threads),
-    metrics, decode pools, and where a micro-batch a retired feed already decoded is taken from (``handover``)."""
+    metrics, decode pools, where a micro-batch a retired feed already decoded is taken from (``handover``), and the
+    steps of the plan dealt once for all of them (``dealt``)."""
 
     plan: Plan
     reader: FieldReader
     metrics: FeedMetrics
     pools: DecodePools | None = None
     handover: Handover | None = None
+    dealt: DealtSteps | None = None
 
 
 @dataclass
@@ -79,6 +80,12 @@ class Taken:
     keys: list[str]
     info: dict[str, Any]
     record: dict[str, Any]
+
+
+def with_index_tokenizer(config: FeedConfig, index: SampleIndex, users_text_decoder: bool = False) -> FeedConfig:
+    """``config`` with ``decode.text.tokenizer`` the index's when unset; ValueError when a set one differs from it."""
+    decode = follow_index_tokenizer(config.decode, index.manifest, users_text_decoder)
+    return config if decode is config.decode else config.model_copy(update={"decode": decode})
 
 
 class Feed:
@@ -106,7 +113,7 @@ class Feed:
         if shared is not None and decoders:
             raise ValueError("decoders belong to the shared field reader: give them to its owner")
         self.index = index if isinstance(index, SampleIndex) else SampleIndex(index)
-        self.config = config or FeedConfig()
+        self.config = with_index_tokenizer(config or FeedConfig(), self.index, "text" in (decoders or {}))
         self.plan = shared.plan if shared is not None else Plan.from_index(self.index, self.config.plan)
         self._check_rank(world_size, rank)
         self._audit: IO[str] | None = open_audit_log(audit_log) if audit_log else None
@@ -127,9 +134,10 @@ class Feed:
             )
             self._shared_pools: DecodePools | None = None
             self._handover: Handover | None = None
+            self._dealt: DealtSteps | None = None
         else:
             self._metrics, self._reader = shared.metrics, shared.reader
-            self._shared_pools, self._handover = shared.pools, shared.handover
+            self._shared_pools, self._handover, self._dealt = shared.pools, shared.handover, shared.dealt
         self._owns_reader = shared is None
         self._finalizer = weakref.finalize(
             self, _close_resources, [None], self._reader if self._owns_reader else None, self._audit
@@ -204,6 +212,7 @@ class Feed:
                 skip=self._accum_done,
                 pools=self._shared_pools,
                 handover=self._handover,
+                dealt=self._dealt,
             )
             self._finalizer.detach()
             reader = self._reader if self._owns_reader else None

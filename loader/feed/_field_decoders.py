@@ -27,11 +27,17 @@ from typing import Any
 import numpy as np
 
 from .._modalities import FIELD_MODALITIES, MODALITIES
-from ..decode._common import DecodeError, as_numpy, function_name, user_code_error
-from ..decode._meta import ColumnKind, decode_meta
-from ..decode._process_tasks import decode_in_process
-from ..decode._worker_procs import WorkerProcesses
-from ..index._records import FieldLocation
+from ..decode import (
+    ColumnKind,
+    DecodeError,
+    WorkerProcesses,
+    as_numpy,
+    decode_in_process,
+    decode_meta,
+    function_name,
+    user_code_error,
+)
+from ..index import FieldLocation
 from ._config import FeedConfig
 from ._transforms import holdable
 
@@ -88,8 +94,8 @@ class FieldDecoders:
         self.modalities = {k: v for k, v in decoders.items() if k in FIELD_MODALITIES}
         self.fields = {field_key(k): v for k, v in decoders.items() if k not in FIELD_MODALITIES}
         self.custom = frozenset(k for k in custom if k in FIELD_MODALITIES)
-        tokenizer = config.decode.text.tokenizer.strip()
-        self._tokenizer = None if tokenizer == "bytes" or "text" in self.custom else tokenizer
+        tokenizer = (config.decode.text.tokenizer or "").strip()
+        self._tokenizer = tokenizer if ":" in tokenizer and "text" not in self.custom else None  # a user's function
         self._executors: dict[str, WorkerProcesses] = {}
         context = get_context("forkserver")  # workers fork from a clean server, not from this threaded process
         context.set_forkserver_preload(["omnifeed.loader"])

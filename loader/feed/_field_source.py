@@ -6,6 +6,11 @@ re-indexed source or a changed resize never meets an old entry. A decoded entry 
 decoder's output before any transform step (`_transforms`: they are random per epoch, so
 none is cached and none is in the key); a field or modality with a user's decoder has no
 decoded entries (its function has no version to key by).
+
+With ``entries='raw'`` and ``decoded_when_room`` (the default), a feed with a RAM tier also
+keeps each freshly decoded value of a text, image, video or audio field in that tier while it
+has free room (`_AUTO_FREE_SHARE` of it stays free for raw entries; a decoded entry never
+evicts), and looks there first: from the second epoch such fields skip decoding.
 """
 
 from __future__ import annotations
@@ -20,18 +25,16 @@ import xxhash
 
 from ...cache import CacheChain, CacheConfig, entry_key
 from .._modalities import MODALITIES
-from ..decode._config import DecodeConfig
-from ..decode._meta import ColumnKind
-from ..index._records import FieldLocation
-from ..index._sample_index import IndexedSample
-from ..index._sources import column_kinds, read_field
-from ._decoded_codec import DecodedEntryError, decode_decoded, encode_decoded
+from ..decode import ColumnKind, DecodeConfig
+from ..index import FieldLocation, IndexedSample, column_kinds, read_field
+from ._decoded_codec import DecodedEntryError, decode_decoded, encode_decoded, tensor_bytes
 from ._field_decoders import field_keys, matching_field
 
 log = logging.getLogger(__name__)
 
 DECODED_FORMAT = "omnifeed.decoded/1"  # bump when a decoder's output changes for the same settings
 RAW = "raw"
+_AUTO_FREE_SHARE = 8  # with decoded_when_room: decoded entries stop when less than 1/8 of the RAM tier is free
 
 Loaded = tuple[Literal["raw", "decoded"], Any]
 """("raw", bytes as stored) or ("decoded", the decoder's output from a decoded entry)."""
@@ -55,6 +58,8 @@ class FieldSource:
         self._versions = {m: transform_version(m, decode) for m in MODALITIES if m not in custom}
         self._custom_fields = field_keys(custom)
         self._decoded = config.entries == "decoded"
+        # entries='raw': decoded values too, in the RAM tier while it has room (none from a user's decoder)
+        self._ram = self.chain.tiers.get("ram") if not self._decoded and config.decoded_when_room else None
         self._columns: dict[str, dict[str, ColumnKind]] = {}  # Parquet/Arrow URL -> column -> how its cells are stored
         self._columns_lock = threading.Lock()
 
@@ -64,7 +69,7 @@ class FieldSource:
 
     def decoded_key(self, sample: IndexedSample, location: FieldLocation) -> bytes | None:
         """Cache key of the field's decoded value, or None when decoded values are not cached for it."""
-        version = self._versions.get(location.modality) if self._decoded else None
+        version = self._versions.get(location.modality) if self._decoded or self._ram is not None else None
         if version is not None and self._custom_fields and matching_field(location.name, self._custom_fields):
             version = None
         return None if version is None else entry_key(self.namespace, sample.key, location.name, version)
@@ -77,6 +82,17 @@ class FieldSource:
     def load(self, sample: IndexedSample, location: FieldLocation) -> Loaded:
         """The decoded entry if one is cached, else the raw bytes (from a tier, or the origin filling the tiers)."""
         key = self.decoded_key(sample, location)
+        if key is not None and self._ram is not None:  # decoded when there was room, else raw
+            entry = self._ram.get(key) if self._ram.contains(key) else None  # a miss: the raw lookup counts the access
+            if entry is not None:
+                try:
+                    return "decoded", decode_decoded(entry)
+                except DecodedEntryError as exc:
+                    log.warning(
+                        "cached decoded entry of %r field %r is unreadable (%s)", sample.key, location.name, exc
+                    )
+                    self._ram.discard(key)
+            return "raw", self.chain.get(self.raw_key(sample, location), lambda: self.origin(sample, location))
         if key is not None:
             entry = self.chain.lookup(key)
             if entry is not None:
@@ -96,10 +112,18 @@ class FieldSource:
         return "raw", self.chain.get(self.raw_key(sample, location), lambda: self.origin(sample, location))
 
     def remember(self, sample: IndexedSample, location: FieldLocation, value: Any) -> None:
-        """Cache a freshly decoded value (decoded entries only)."""
+        """Cache a freshly decoded value (decoded entries, or the RAM tier while it has room)."""
         key = self.decoded_key(sample, location)
-        if key is not None and self.chain.tiers:
-            self.chain.store(key, encode_decoded(value))
+        if key is None:
+            return
+        if self._ram is None:
+            if self.chain.tiers:
+                self.chain.store(key, encode_decoded(value))
+            return
+        stats = self._ram.stats()
+        free = stats["capacity_bytes"] - stats["bytes_used"] - stats["capacity_bytes"] // _AUTO_FREE_SHARE
+        if tensor_bytes(value) + 4096 <= free:  # + the entry's header and layout, generously
+            self._ram.put(key, encode_decoded(value), accessed=False)
 
     def column_kind(self, sample: IndexedSample, location: FieldLocation) -> ColumnKind | None:
         """How the index stored a Parquet or Arrow cell ('binary', 'string' or 'json'); None for other sources.

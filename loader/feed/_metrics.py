@@ -20,6 +20,7 @@ class FeedMetrics:
         self._started = time.perf_counter()
         self._latency: dict[str, deque[float]] = {}
         self._decoded: dict[str, int] = {}
+        self._cached: dict[str, int] = {}  # of those, served from a decoded cache entry (no decoder ran)
         self._bytes_read = 0
         self._bad: dict[str, dict[str, int]] = {}
         self._batches = 0
@@ -32,6 +33,11 @@ class FeedMetrics:
             self._latency.setdefault(modality, deque(maxlen=_LATENCY_WINDOW)).append(seconds)
             self._decoded[modality] = self._decoded.get(modality, 0) + 1
             self._bytes_read += bytes_read
+
+    def from_cache(self, modality: str) -> None:
+        """One field served from a decoded cache entry (counted by `decoded` too)."""
+        with self._lock:
+            self._cached[modality] = self._cached.get(modality, 0) + 1
 
     def bad(self, modality: str, reason: str) -> None:
         """One sample that could not be read or decoded."""
@@ -63,6 +69,7 @@ class FeedMetrics:
                     **buffers.get(modality, {}),
                     "decoded": self._decoded.get(modality, 0),
                     "decoded_per_s": self._decoded.get(modality, 0) / elapsed,
+                    "from_decoded_cache": self._cached.get(modality, 0),
                     "decode_latency_s": {"p50": float(p50), "p90": float(p90), "p99": float(p99)},
                     "bad": dict(self._bad.get(modality, {})),
                 }

@@ -29,13 +29,11 @@ from typing import Any
 
 from ...cache import is_local
 from .._errors import SourceError
-from ..decode._registry import DecodeError
-from ..decode._worker_procs import WorkerDied
-from ..index._records import FieldLocation
-from ..index._sample_index import IndexedSample, SampleIndex
-from ..plan._cursor import DealingStopped, PlanCursor, Step
-from ..plan._plan import MicroBatch, Plan
+from ..decode import DecodeError, WorkerDied
+from ..index import FieldLocation, IndexedSample, SampleIndex
+from ..plan import DealingStopped, MicroBatch, Plan, PlanCursor, Step
 from ._config import FeedConfig
+from ._dealing import DealtSteps
 from ._decoded_codec import tensor_bytes
 from ._field_decoders import FieldDecoders
 from ._field_source import FieldSource, Loaded
@@ -73,6 +71,7 @@ class PendingBatch:
     counts: dict[str, int] = field(default_factory=dict)
     nbytes: dict[str, int] = field(default_factory=dict)
     remaining: int = 0
+    due: float = 0.0  # planned cost of this pipeline's micro-batches before it: when its consumer needs it
 
 
 def fields_to_decode(sample: IndexedSample) -> list[tuple[str, FieldLocation]]:
@@ -131,6 +130,7 @@ class FieldReader:
         kind, payload = loading.result() if loading is not None else self.source.load(sample, location)
         if kind == "decoded":
             value, read = payload, 0
+            self.metrics.from_cache(modality)
         else:
             column = self.source.column_kind(sample, location) if modality == "meta" else None
             value, read = self.decoders.decode(modality, location, sample.key, payload, where, column), len(payload)
@@ -192,7 +192,10 @@ class Pipeline:
 
     ``pools``: decode workers shared with other pipelines (this pipeline takes an owner handle
     with the buffers of ``config`` and closes only that); None makes and closes its own.
-    ``self.pools`` is this pipeline's ``PoolOwner`` either way.
+    ``self.pools`` is this pipeline's ``PoolOwner`` either way. ``dealt``: steps dealt once for
+    the pipelines sharing it (`DealtSteps`); None deals its own. Each decode task carries when
+    its consumer needs it (``due``: the planned cost of the micro-batches before its own), so
+    shared workers serve the pipeline that needs its next micro-batch soonest.
     """
 
     def __init__(
@@ -209,12 +212,16 @@ class Pipeline:
         skip: int,
         pools: DecodePools | None = None,
         handover: Handover | None = None,
+        dealt: DealtSteps | None = None,
     ) -> None:
         self.index, self.plan, self.config, self.reader = index, plan, config, reader
         self._handover = handover
         self.rank = rank
-        self.cursor = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
-        self.cursor.load_state_dict(state)
+        start = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
+        start.load_state_dict(state)  # at another topology: a resize
+        self._state = start.state_dict()  # where the next step starts
+        self._dealt = dealt if dealt is not None else DealtSteps(plan, keep=1, cursors=1)
+        self._planned = 0.0  # planned cost of the micro-batches enqueued so far
         self._skip = skip
         self._cond = threading.Condition()
         self._pending: deque[PendingBatch] = deque()
@@ -246,12 +253,12 @@ class Pipeline:
                         self._cond.wait(0.1)
                 if self._stopping.is_set():
                     return
-                before = self.cursor.state_dict()
+                before = self._state
                 try:  # a step of a large world deals many micro-batches: close() must not wait for all of them
-                    step = self.cursor.next_step(self._stopping.is_set)
+                    step, after = self._dealt.next_step(before, self._stopping.is_set)
                 except DealingStopped:
                     return
-                after = self.cursor.state_dict()
+                self._state = after
                 mine = step.for_rank(self.rank)
                 # what a pending batch keeps of its step: the step's numbers, not the W × A micro-batches it dealt
                 step = replace(step, micro_batches=())
@@ -265,6 +272,7 @@ class Pipeline:
             self._fail(exc)
 
     def _enqueue(self, pending: PendingBatch) -> bool:
+        pending.due, self._planned = self._planned, self._planned + pending.micro_batch.cost
         held = self._handover(pending.micro_batch) if self._handover is not None else None
         if held is not None:  # decoded already, by another rank's stream before a resize: no read, no decode
             for sample, decoded in zip(self.index.samples(pending.micro_batch.positions), held):
@@ -289,7 +297,7 @@ class Pipeline:
         for slot, modality, location in fields:
             loading = self.reader.prefetch(slot.sample, location)
             if loading is None:
-                self.pools.submit(modality, self._task(pending, slot, modality, location, None))
+                self.pools.submit(modality, self._task(pending, slot, modality, location, None), pending.due)
                 continue
             with self._cond:
                 self._loading.add(loading)
@@ -306,7 +314,7 @@ class Pipeline:
         def hand_to_decoder(loading: Future[Loaded]) -> None:
             with self._cond:
                 self._loading.discard(loading)
-            self.pools.submit(modality, self._task(pending, slot, modality, location, loading))
+            self.pools.submit(modality, self._task(pending, slot, modality, location, loading), pending.due)
 
         return hand_to_decoder
 
@@ -341,9 +349,10 @@ class Pipeline:
         return pending
 
     def release(self, pending: PendingBatch) -> None:
-        """Give the batch's buffer space back to the pools."""
+        """Give the batch's buffer space back to the pools; its consumer has moved past its planned cost."""
         for modality, count in pending.counts.items():
             self.pools.release(modality, count, pending.nbytes.get(modality, 0))
+        self.pools.consumed(pending.micro_batch.cost)
 
     def close(self) -> None:
         """Stop the scheduler and this pipeline's share of the pools and join their threads (idempotent).

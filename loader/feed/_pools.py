@@ -13,11 +13,19 @@ sidecar serves) can share one set of workers this way::
 Each owner has, per modality, its own budget of samples (and bytes) admitted ahead of its consumer.
 A micro-batch is admitted only when every modality it needs has room, except that a modality with
 nothing outstanding always admits (so a micro-batch larger than a buffer cannot deadlock). An
-owner whose consumer is slow therefore holds at most its own budget of queued work, and workers
-take each modality's tasks from the owners in turn, so it cannot starve another owner. Shared
-workers serve the modality whose queued work takes longest to clear at its measured decode time
-per task (an exponential moving average) and its dedicated workers, so workers move to the
-modality that is running dry. A task's exception goes to its own owner's ``on_error``.
+owner whose consumer is slow therefore holds at most its own budget of queued work.
+
+Planned, not guessed: each task carries when its consumer will need it (``due``: the planned
+cost of its owner's micro-batches before its own; the plan knows every micro-batch's cost), and
+each owner counts the cost its consumer has taken (``consumed``). A worker takes the task with
+the smallest lead (``due - consumed``: the cost its consumer still has ahead of it), whichever
+owner's: workers go to the rank that needs its next micro-batch soonest, and within a rank to the
+micro-batch at the head of its queue (a micro-batch is only as ready as its slowest field). A
+slow consumer's owner is served once the others are as far ahead, so it is never starved. Among
+tasks of equal lead, a shared worker takes the modality whose queued work takes longest to clear
+at its measured decode time per task (an exponential moving average) and its dedicated workers,
+so workers move to the modality that is running dry. A task's exception goes to its own owner's
+``on_error``.
 
 Threads by default: Pillow and PyAV release the GIL while decoding and resizing (two image
 threads decode 2× one thread), and threads share the index, the plan and the decoded tensors
@@ -30,6 +38,7 @@ it takes tasks like a local worker, but only while its actor is up.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
@@ -60,11 +69,12 @@ class PoolOwner:
         self._limits = dict(limits)
         self._room_freed = threading.Condition(pools._lock)  # admit waits here for this owner's releases
         self._idle = threading.Condition(pools._lock)  # close waits here for this owner's running tasks
-        self._queues: dict[str, deque[Task]] = {m: deque() for m in FIELD_MODALITIES}
+        self._queues: dict[str, deque[tuple[float, Task]]] = {m: deque() for m in FIELD_MODALITIES}  # (due, task)
         self._outstanding = dict.fromkeys(FIELD_MODALITIES, 0)  # admitted, not yet released
         self._ready = dict.fromkeys(FIELD_MODALITIES, 0)  # decoded, not yet released
         self._ready_bytes = dict.fromkeys(FIELD_MODALITIES, 0)
         self._running = 0  # tasks of this owner in a worker now
+        self._consumed = 0.0  # planned cost its consumer has taken
         self.closed = False
         self.read_ahead = 1
 
@@ -87,9 +97,15 @@ class PoolOwner:
         samples = limit.buffer_samples * self.read_ahead
         return self._outstanding[modality] + n <= samples and self._ready_bytes[modality] < limit.buffer_bytes
 
-    def submit(self, modality: str, task: Task) -> None:
-        """Queue one admitted task of ``modality`` (dropped once this owner is closed)."""
-        self._pools._submit(self, modality, task)
+    def submit(self, modality: str, task: Task, due: float = 0.0) -> None:
+        """Queue one admitted task of ``modality`` whose consumer needs it once it has taken ``due`` of planned cost
+        (dropped once this owner is closed); an owner's tasks of a modality run in order of ``due``."""
+        self._pools._submit(self, modality, task, due)
+
+    def consumed(self, cost: float) -> None:
+        """The consumer took a micro-batch of planned ``cost``: this owner's queued tasks are that much nearer."""
+        with self._room_freed:
+            self._consumed += cost
 
     def release(self, modality: str, count: int, nbytes: int) -> None:
         """The consumer is done with ``count`` decoded fields (``nbytes``) of ``modality``."""
@@ -188,7 +204,7 @@ class DecodePools:
             self._owners.append(owner)
             return owner
 
-    def _submit(self, owner: PoolOwner, modality: str, task: Task) -> None:
+    def _submit(self, owner: PoolOwner, modality: str, task: Task, due: float) -> None:
         if modality in self._inline:
             with self._lock:
                 if owner.closed:
@@ -202,23 +218,34 @@ class DecodePools:
             queue = owner._queues[modality]
             if not queue:
                 self._turns[modality].append(owner)
-            queue.append(task)
+            if queue and queue[-1][0] > due:  # a read that finished late: in order of due all the same
+                bisect.insort(queue, (due, task), key=lambda queued: queued[0])
+            else:
+                queue.append((due, task))
             self._queued[modality] += 1
             self._work_ready[modality].notify()
             self._shared_work.notify()
 
     def _pick(self, modalities: tuple[str, ...] | None) -> tuple[PoolOwner, str, Task] | None:
-        candidates = [m for m in (modalities or FIELD_MODALITIES) if self._queued[m]]
-        if not candidates:
+        """The queued task needed soonest (smallest lead) among ``modalities`` (None: all, for a shared worker: ties
+        go to the longest backlog in seconds of work per worker), and its owner (holding the lock)."""
+        best: tuple[float, tuple[float, float], PoolOwner, str] | None = None
+        for modality in modalities or FIELD_MODALITIES:
+            if not self._queued[modality]:
+                continue
+            backlog = self._backlog_seconds(modality) if modalities is None else (0.0, 0.0)
+            tie = (-backlog[0], -backlog[1])
+            for owner in self._turns[modality]:  # in turn: of equal leads, the owner served longest ago
+                lead = owner._queues[modality][0][0] - owner._consumed
+                if best is None or (lead, tie) < (best[0], best[1]):
+                    best = (lead, tie, owner, modality)
+        if best is None:
             return None
-        if modalities is None:  # a shared worker: the longest backlog in seconds of work per worker
-            modality = max(candidates, key=self._backlog_seconds)
-        else:
-            modality = candidates[0]
+        _, _, owner, modality = best
         turns = self._turns[modality]
-        owner = turns.popleft()  # owners in turn: a slow consumer's backlog cannot hold another's up
+        turns.remove(owner)
         queue = owner._queues[modality]
-        task = queue.popleft()
+        _, task = queue.popleft()
         if queue:
             turns.append(owner)
         self._queued[modality] -= 1

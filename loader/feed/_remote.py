@@ -29,9 +29,7 @@ from typing import Any
 import numpy as np
 
 from .._modalities import FIELD_MODALITIES
-from ..index._ray_build import _check_reachable, import_ray
-from ..index._records import FieldLocation
-from ..index._sample_index import IndexedSample
+from ..index import FieldLocation, IndexedSample, check_reachable, import_ray
 from ._config import FeedConfig
 from ._decoded_codec import tensor_bytes
 from ._field_decoders import FieldDecoders, matching_field
@@ -231,11 +229,11 @@ class RemoteDecoders:
     def _connect(self) -> None:
         ray = self._ray
         if not ray.is_initialized():
-            _check_reachable(self.address)
+            check_reachable(self.address)
             ray.init(address=self.address, logging_level=logging.WARNING)
             self._owns_connection = True
         elif self._probe:
-            _check_reachable(self._probe)  # a connection this process holds: is its cluster back?
+            check_reachable(self._probe)  # a connection this process holds: is its cluster back?
         self._actor_class = ray.remote(self._actor_type)
         self._probe = self._gcs_address()
         with self._cond:
@@ -287,7 +285,7 @@ class RemoteDecoders:
     def _tend(self) -> None:
         """Probe the GCS, scale, retire lost, stuck or surplus actors, start missing ones, mark started ones usable."""
         if self._probe:
-            _check_reachable(self._probe)  # raises while the cluster is gone: _down
+            check_reachable(self._probe)  # raises while the cluster is gone: _down
         self._check_overdue()
         doomed: list[_Actor] = []
         with self._cond:

@@ -14,10 +14,8 @@ import socket
 from typing import Any
 
 from ...cache import CacheConfig
-from ..decode._config import DecodeConfig
-from ..decode._registry import make_decoder
-from ..index._records import FieldLocation
-from ..index._sample_index import IndexedSample
+from ..decode import DecodeConfig, make_decoder
+from ..index import FieldLocation, IndexedSample
 from ._field_source import FieldSource
 
 Answer = tuple[str, Any, int]

@@ -36,7 +36,7 @@ from PIL import Image
 
 from .._modalities import MODALITIES
 from .._user_code import import_function
-from ..decode._common import DecodeError, as_numpy, function_name, user_code_error
+from ..decode import DecodeError, as_numpy, function_name, user_code_error
 from ._transform_config import HorizontalFlip, RandomResizedCrop, TransformsConfig, UserTransform
 
 TRANSFORM_STREAM = 0x6F6D6E6974726E73  # "omnitrns": keeps these streams apart from any other use of the seed

@@ -3,11 +3,11 @@
 from ._build import build_index, write_index_from_tables
 from ._config import IndexConfig
 from ._partition_writer import IndexReport
-from ._ray_build import build_index_ray, ray_session
+from ._ray_build import build_index_ray, check_reachable, import_ray, ray_session
 from ._records import FieldLocation, SampleLengths, ShardSpec
 from ._sample_index import ROW_SCHEMA, IndexedSample, SampleIndex
 from ._scan_pool import default_workers
-from ._sources import expand_sources, read_field
+from ._sources import column_kinds, expand_sources, read_field
 
 __all__ = [
     "FieldLocation",
@@ -20,8 +20,11 @@ __all__ = [
     "ShardSpec",
     "build_index",
     "build_index_ray",
+    "check_reachable",
+    "column_kinds",
     "default_workers",
     "expand_sources",
+    "import_ray",
     "ray_session",
     "read_field",
     "write_index_from_tables",

@@ -57,7 +57,7 @@ def ray_session(address: str | None) -> Iterator[ModuleType]:
         yield ray
         return
     target = address or "auto"
-    _check_reachable(target)
+    check_reachable(target)
     try:
         ray.init(address=target, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -71,7 +71,7 @@ def ray_session(address: str | None) -> Iterator[ModuleType]:
         ray.shutdown()
 
 
-def _check_reachable(address: str) -> None:
+def check_reachable(address: str) -> None:
     """Fail fast on a HOST:PORT that nothing listens on (Ray itself retries for minutes)."""
     host, sep, port = address.removeprefix("ray://").rpartition(":")
     if not sep or not port.isdigit():

@@ -20,7 +20,7 @@ from typing import IO, Any
 import numpy as np
 
 from .._errors import OmnifeedError
-from ..index._sample_index import SampleIndex
+from ..index import SampleIndex
 from ._cursor import Step
 from ._plan import MicroBatch
 

@@ -51,10 +51,13 @@ def budget_guidance(plan: Plan) -> dict[str, Any]:
 
 
 def _with_budget(config: PlanConfig, budget: float) -> PlanConfig:
-    """``config`` at ``budget`` (budget mode, over-budget samples alone, default feedback bounds)."""
+    """``config`` at ``budget`` (budget mode, over-budget samples alone, default feedback bounds, searched windows)."""
     base = config.bucketing.model_dump() if config.bucketing is not None else {}
     bucketing = base | {"mode": "budget", "budget": budget, "overlong": "alone", "min_budget": None, "max_budget": None}
-    return config.model_copy(update={"bucketing": BucketingConfig(**bucketing)})
+    # windows of the searched size: the default window grows with the data's spread (up to 524,288 samples),
+    # and only samples per micro-batch are measured here
+    window = config.window_size or _SEARCH_SAMPLES
+    return config.model_copy(update={"bucketing": BucketingConfig(**bucketing), "window_size": window})
 
 
 def samples_per_micro_batch(plan: Plan, samples: int = _SEARCH_SAMPLES) -> float:

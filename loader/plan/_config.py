@@ -12,6 +12,10 @@ from omnifeed.bucketing import BucketingConfig
 
 from .._config import StrictModel
 
+# The budget-mode algorithm: a config fingerprint names the sequence it makes, so one state of an
+# older algorithm never matches (2: issue 29, cells and windows from the data, leftovers evened).
+BUDGET_ALGORITHM = 2
+
 
 class PlanConfig(StrictModel):
     """What fixes the global micro-batch sequence (with the index fingerprint and the epoch)."""
@@ -55,5 +59,7 @@ class PlanConfig(StrictModel):
             values["bucketing"] = {
                 k: v for k, v in values["bucketing"].items() if k not in ("min_budget", "max_budget", "target_headroom")
             }
+            if self.bucketing.mode == "budget":
+                values["budget_algorithm"] = BUDGET_ALGORITHM
         payload = json.dumps(values, sort_keys=True)
         return xxhash.xxh3_64_hexdigest(payload.encode())

@@ -27,7 +27,9 @@ import numpy as np
 from .._errors import StateMismatchError
 from ._plan import MicroBatch, Plan, WindowPlan
 
-STATE_FORMAT = "omnifeed.plan-state/1"
+# /2 (issue 29): budget mode forms other micro-batches (cells and windows chosen from the data, equal windows,
+# leftovers evened out within their modality mix); a /1 state would resume into another sequence, so it is refused.
+STATE_FORMAT = "omnifeed.plan-state/2"
 _STATE_KEYS = frozenset(
     {
         "format",
@@ -238,7 +240,11 @@ class PlanCursor:
             missing, unknown = sorted(_STATE_KEYS - keys), sorted(keys - _STATE_KEYS)
             raise ValueError(f"not a plan state: missing keys {missing}, unknown keys {unknown}")
         if state["format"] != STATE_FORMAT:
-            raise ValueError(f"plan state format {state['format']!r}; this omnifeed reads {STATE_FORMAT!r}")
+            raise ValueError(
+                f"plan state format {state['format']!r}; this omnifeed reads {STATE_FORMAT!r}: the state was saved "
+                "by another omnifeed version, whose plan forms other micro-batches; start the run without it "
+                "or resume with the version that saved it"
+            )
         for what in ("index_fingerprint", "config_fingerprint"):
             mine = getattr(self.plan, what)
             if state[what] != mine:

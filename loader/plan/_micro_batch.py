@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -13,13 +14,17 @@ if TYPE_CHECKING:
 _NOTHING = np.empty(0, dtype=np.int64)
 _NOTHING.flags.writeable = False
 
+LengthSource = Callable[[np.ndarray], Mapping[str, np.ndarray]]
+"""Positions -> the index's length columns (``text_tokens``, ``image_width``, ...) at those positions."""
+
 
 @dataclass(frozen=True)
 class MicroBatch:
     """One micro-batch: its epoch, its place in that epoch, its window, its sample positions.
 
     ``cost`` is its padded cost under the cost model (its size for fixed batching, its
-    tokens for a pack); ``pack`` holds segment boundaries in packing mode.
+    tokens for a pack); ``pack`` holds segment boundaries in packing mode; ``ends_epoch`` is
+    true for the epoch's last micro-batch.
     """
 
     epoch: int
@@ -28,6 +33,7 @@ class MicroBatch:
     positions: np.ndarray
     cost: float
     pack: Pack | None = None
+    ends_epoch: bool = False
 
 
 @dataclass(frozen=True)

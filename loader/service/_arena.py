@@ -30,7 +30,7 @@ import numpy as np
 
 from ._protocol import KEYS_EXT, TENSOR_EXT, ProtocolError, decode
 
-_ALIGN = 64
+_SMALL = 4096  # the least span an array takes (a multiple of any alignment a dtype needs)
 _MIN_SEGMENT = 1 << 20
 DTYPES: tuple[str, ...] = (
     "uint8",
@@ -95,13 +95,23 @@ class SegmentWriter:
         """An uninitialized array of ``shape`` and ``dtype`` in the segment (private memory once it is full)."""
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        start = -(-self.needed // _ALIGN) * _ALIGN
-        self.needed = start + nbytes
+        start = self.needed
+        self.needed = start + reserved_bytes(nbytes)
         base = self.segment.base
         if base is None or self.needed > self.segment.size:
             self.overflowed = True
             return np.empty(shape, dtype=dtype)
         return base[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def reserved_bytes(nbytes: int) -> int:
+    """The span an array of ``nbytes`` takes in a segment: 4 KiB at least, else ``nbytes`` rounded up to a sixteenth of
+    its power of two (at most 1/16 more). Arrays that vary a little from batch to batch (padded text, a few more boxes)
+    then leave every array after them at the same offset, so the batch's layout, and the client's tensors, stay."""
+    if nbytes <= _SMALL:
+        return _SMALL
+    step = 1 << (nbytes.bit_length() - 5)
+    return -(-nbytes // step) * step
 
 
 def grown_size(needed: int) -> int:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .._config import load_yaml, validated
 from .._config_paths import SERVICE_PATHS, resolve_paths
-from ..feed._config import FeedConfig
+from ..feed import FeedConfig
 
 
 def default_socket() -> str:
@@ -41,6 +41,14 @@ class ServiceConfig(BaseModel):
     )
     prefetch_batches: int = Field(
         default=4, ge=1, description="Collated batches each stream keeps ready in shared memory ahead of its clients."
+    )
+    switch_interval_s: float | None = Field(
+        default=0.0005,
+        gt=0,
+        description="The interpreter's thread switch interval (sys.setswitchinterval) in the service's process while it "
+        "runs; null: Python's own (5 ms). One interpreter lock serves every rank's decode threads, which drop and "
+        "retake it for each chunk or frame they decode: at 5 ms a thread that wants it back waits behind any Python "
+        "running, and the node's production fell to 0.7x two in-process feeds (benchmarks/RESULTS.md, issue 29).",
     )
     stream_idle_s: float = Field(
         default=30.0, ge=0, description="A stream without clients keeps its prefetched batches this long, then closes."

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import StateMismatchError
-from ..feed import FeedError
-from ..feed._feed import feed_state
+from ..feed import FeedError, feed_state
 from ..plan import Plan, steps_left_in_epoch
 from ._config import ServiceConfig
 from ._protocol import PROTOCOL, RequestError

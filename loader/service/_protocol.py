@@ -42,6 +42,8 @@ MAX_FDS = 16
 TENSOR_EXT = 1
 KEYS_EXT = 2
 _LENGTH = struct.Struct("!I")
+_ANCILLARY = socket.CMSG_SPACE(MAX_FDS * 4)
+_CTRUNC = socket.MSG_CTRUNC
 
 
 class ProtocolError(OmnifeedError):
@@ -75,6 +77,16 @@ class RequestError(OmnifeedError):
 def encode(message: dict[str, Any]) -> bytes:
     """One frame: length prefix and msgpack body."""
     body = msgpack.packb(message, use_bin_type=True)
+    return _LENGTH.pack(len(body)) + body
+
+
+_NEXT_HEAD = msgpack.packb({"op": "next", "release": []}, use_bin_type=True)[:-1]  # all but the empty list
+
+
+def next_request(release: list[int]) -> bytes:
+    """The frame of a ``next`` request that gives back the batches numbered ``release`` (a client sends one a batch:
+    built from a ready-made head, not a dict)."""
+    body = _NEXT_HEAD + msgpack.packb(release)
     return _LENGTH.pack(len(body)) + body
 
 
@@ -186,23 +198,23 @@ class FrameReader:
 
     def __init__(self, size: int = 1 << 16) -> None:
         self._buffer = bytearray(size)
+        self._view = memoryview(self._buffer)  # made once: a batch's frame is read with one call and few objects
 
     def receive(self, sock: socket.socket, limit: int) -> tuple[memoryview, list[int]]:
         """One frame's body (a view, valid until the next call) and the descriptors that came with it.
 
         A reply to a request: bytes after it that nothing asked for are a `ProtocolError`.
         """
-        buffer = self._buffer
-        view = memoryview(buffer)
+        buffer, view = self._buffer, self._view
         got, fds = 0, list[int]()
         while got < _LENGTH.size:
-            n, ancillary, flags, _ = sock.recvmsg_into([view[got:]], socket.CMSG_SPACE(MAX_FDS * 4))
+            n, ancillary, flags, _ = sock.recvmsg_into([view[got:] if got else view], _ANCILLARY)
             for level, kind, payload in ancillary:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     received = array.array("i")
                     received.frombytes(payload[: len(payload) - len(payload) % received.itemsize])
                     fds.extend(received)
-            if flags & socket.MSG_CTRUNC:
+            if flags & _CTRUNC:
                 _close_all(fds)
                 raise ProtocolError(f"more than {MAX_FDS} file descriptors with one message")
             if not n:
@@ -223,7 +235,7 @@ class FrameReader:
             buffer[:got] = view[:got]
             view = memoryview(buffer)
             if end <= self.KEPT:
-                self._buffer = buffer
+                self._buffer, self._view = buffer, view
         while got < end:
             n = sock.recv_into(view[got:end])
             if n == 0:

@@ -34,6 +34,7 @@ import itertools
 import logging
 import select
 import socket
+import sys
 import termios
 import threading
 import time
@@ -43,10 +44,7 @@ from typing import Any
 
 from .._modalities import MODALITIES
 from ..decode import make_decoder
-from ..feed import SharedResources
-from ..feed._metrics import FeedMetrics
-from ..feed._pipeline import FieldReader
-from ..feed._pools import DecodePools
+from ..feed import DealtSteps, DecodePools, FeedMetrics, FieldReader, SharedResources, with_index_tokenizer
 from ..index import SampleIndex
 from ..plan import Plan
 from ._attempts import AttemptLog
@@ -69,6 +67,8 @@ class FeedService:
         self.config = config
         self.attempts = AttemptLog(config.audit_log)
         self.index = SampleIndex(config.index)
+        # the decoder tokenizes as the index counted (refused at start when set otherwise)
+        self.config = config = config.model_copy(update={"feed": with_index_tokenizer(config.feed, self.index)})
         self.plan = Plan.from_index(self.index, config.feed.plan)
         self.handshake = Handshake(self.plan, config)
         self.feed_metrics = FeedMetrics()
@@ -77,7 +77,8 @@ class FeedService:
         self.pools = DecodePools(config.feed, _pool_error, remote=self.reader.remote)
         self.ledger = BatchLedger(self.index)
         self._resizes = Resizes()
-        shared = SharedResources(self.plan, self.reader, self.feed_metrics, self.pools, self.ledger.take)
+        self.dealt = DealtSteps(self.plan)  # each step dealt once for every stream
+        shared = SharedResources(self.plan, self.reader, self.feed_metrics, self.pools, self.ledger.take, self.dealt)
         context = StreamContext(
             self.index,
             config.feed,
@@ -101,6 +102,7 @@ class FeedService:
         self._threads: list[threading.Thread] = []
         self._metrics_server: Any = None
         self.metrics_port: int | None = None
+        self._switch_interval: float | None = None  # the process's before start() set the service's
 
     @property
     def address(self) -> str:
@@ -111,6 +113,9 @@ class FeedService:
     def start(self) -> None:
         """Listen (reaping a crashed predecessor's socket), start the metrics endpoint and the housekeeping thread."""
         self._listener = Listener(Path(self.config.socket))
+        if self.config.switch_interval_s is not None:  # process-wide: restored by stop()
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(self.config.switch_interval_s)
         if self.config.metrics_port is not None:
             from ._metrics import start_metrics_server
 
@@ -151,6 +156,8 @@ class FeedService:
         self.attempts.close()
         if self._listener is not None:
             self._listener.remove()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
 
     def __enter__(self) -> FeedService:
         self.start()

@@ -17,8 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..feed import Feed, FeedConfig, SharedResources, Taken
-from ..feed._collate import collate, uncollate
+from ..feed import Feed, FeedConfig, SharedResources, Taken, collate, uncollate
 from ..index import SampleIndex
 from ._arena import Segment, SegmentWriter, decode_arrays, encode_batch
 from ._protocol import RequestError, encode

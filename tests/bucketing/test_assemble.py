@@ -90,8 +90,8 @@ def test_only_light_leftovers_with_room_are_carried_lightest_first_within_the_li
     assert light_to_carry(costs, sizes, 100.0, limit=0) == []
 
 
-def test_a_light_micro_batch_is_absorbed_by_one_of_its_own_mix_with_room_and_light_ones_merge_within_budget() -> None:
-    from omnifeed.bucketing._assemble import _absorb_light, _merge_light, _Weights
+def test_a_light_micro_batch_is_absorbed_by_one_of_its_own_mix_with_room() -> None:
+    from omnifeed.bucketing._leftovers import _absorb_light, _Weights
 
     weights = _Weights([1.0, 1.0], 0.0)
     rows = [[20.0, 0.0]] * 4 + [[10.0, 0.0], [0.0, 10.0], [20.0, 10.0]]  # text x 5, an image, a captioned image
@@ -100,5 +100,42 @@ def test_a_light_micro_batch_is_absorbed_by_one_of_its_own_mix_with_room_and_lig
     absorbed = _absorb_light(done, rows, present, weights, 100.0, None)
     assert absorbed == [([0, 1, 2, 3, 4], 100.0), ([5], 10.0), ([6], 30.0)], "text joins text; other mixes stay"
     assert _absorb_light(done, rows, present, weights, 100.0, 4) == done, "max size leaves no room"
-    assert _merge_light(absorbed, rows, weights, 100.0, None) == [([0, 1, 2, 3, 4], 100.0), ([6, 5], 60.0)]
-    assert _merge_light(absorbed, rows, weights, 50.0, None) == absorbed, "a merge over budget is not made"
+
+
+def test_a_sample_is_absorbed_where_it_adds_the_least_padding_in_its_own_bucket_first() -> None:
+    from omnifeed.bucketing._leftovers import _absorb_light, _Weights
+
+    weights = _Weights([1.0], 0.0)
+    rows = [[10.0]] * 15 + [[40.0]] * 4 + [[10.0]]  # short ones, long ones, and a light leftover of one short sample
+    done = [(list(range(15)), 150.0), ([15, 16, 17, 18], 160.0), ([19], 10.0)]
+    present = np.ones(20, dtype=np.int64)
+    absorbed = _absorb_light(done, rows, present, weights, 200.0, None)
+    assert ([*range(15), 19], 160.0) in absorbed, "among the short ones, not padded to 40 among the long ones"
+    cells = np.array([0] * 15 + [1] * 5)  # its own bucket is the long ones'
+    assert ([15, 16, 17, 18, 19], 200.0) in _absorb_light(done, rows, present, weights, 200.0, None, cells)
+
+
+def test_a_light_leftover_is_evened_out_with_its_own_mix_and_none_is_light_after() -> None:
+    from omnifeed.bucketing._leftovers import _even_light, _Weights
+
+    weights = _Weights([1.0], 0.0)
+    rows = [[10.0]] * 23  # 23 samples of 10: two full micro-batches of 10 and a leftover of 3
+    done = [(list(range(0, 10)), 100.0), (list(range(10, 20)), 100.0), ([20, 21, 22], 30.0)]
+    evened = _even_light(done, rows, np.ones(23, dtype=np.int64), weights, 100.0, None)
+    assert sorted(s for members, _ in evened for s in members) == list(range(23))
+    assert sorted(cost for _, cost in evened) == [70.0, 80.0, 80.0], "three of about equal cost, none light"
+
+
+def test_bridges_step_across_a_jump_in_costs_with_pieces_of_a_fluid_bucket() -> None:
+    from omnifeed.bucketing._bridge import bridge_gaps
+    from omnifeed.bucketing._leftovers import _Weights
+
+    weights = _Weights([1.0], 0.0)
+    rows = [[1.0]] * 40000 + [[50.0]] * 20  # fluid: 400 micro-batches of 100 ones; coarse: 20 singles costing 50
+    done = [(list(range(i * 100, (i + 1) * 100)), 100.0) for i in range(400)] + [([40000 + i], 50.0) for i in range(20)]
+    cells = np.array([0] * 40000 + [1] * 20)
+    bridged = bridge_gaps(done, rows, cells, weights, 100.0, None)
+    assert sorted(s for members, _ in bridged for s in members) == list(range(40020))
+    costs = np.sort([cost for _, cost in bridged])
+    assert costs[0] == 50.0 and costs[-1] <= 100.0
+    assert np.all(costs[1:] / costs[:-1] <= 1.05), "no jump wider than a bridge step"

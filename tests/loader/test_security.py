@@ -565,7 +565,7 @@ def test_audio_whose_header_hides_its_length_is_stopped_while_decoding() -> None
 
 
 def test_a_text_field_is_bounded_by_its_member_size_and_max_tokens() -> None:
-    decoder = make_decoder("text", DecodeConfig.model_validate({"text": {"max_tokens": 8}}))
+    decoder = make_decoder("text", DecodeConfig.model_validate({"text": {"max_tokens": 8, "tokenizer": "bytes"}}))
     with pytest.raises(DecodeError, match="over max_tokens = 8"):
         decoder(b"x" * 9, "k")
     assert np.array_equal(decoder(b"x" * 8, "k")[1], np.full(8, ord("x")))

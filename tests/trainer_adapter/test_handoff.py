@@ -33,14 +33,16 @@ class FakeService:
         self.sent: set[tuple[int, int]] = set()
         self.seq = 0
 
-    def send(self, slot: int, fill: int, rows: int = 4, extra: dict[str, Any] | None = None) -> int:
-        """A batch of ``rows`` images filled with ``fill`` in segment ``slot`` (-1: a one-off); its number."""
+    def send(self, slot: int, fill: int, rows: int = 4, extra: dict[str, Any] | None = None, tokens: int = 0) -> int:
+        """A batch of ``rows`` images filled with ``fill`` in segment ``slot`` (-1: a one-off); its number. ``tokens``:
+        first a text tensor ``[rows, tokens]`` (collated first, as the feed does text)."""
         segment = self.segments.get(slot) if slot >= 0 else None
         if segment is None:
             segment = Segment(slot, 0, 1 << 20)
             if slot >= 0:
                 self.segments[slot] = segment
         writer = SegmentWriter(segment)
+        text = {"text": {"tokens": writer.alloc((rows, tokens), np.dtype(np.int64))}} if tokens else {}
         pixels = writer.alloc((rows, 3, 8, 8), np.dtype(np.uint8))
         pixels[...] = fill
         index = writer.alloc((rows,), np.dtype(np.int64))
@@ -52,6 +54,7 @@ class FakeService:
             "__info__": {"step": fill},
             "image": {"pixels": pixels, "index": index},
             "meta": {"gain": gain},
+            **text,
             **(extra or {}),
         }
         layout, rest = encode_batch(batch, segment)
@@ -120,6 +123,19 @@ def test_the_same_layout_in_the_same_segment_hands_out_the_same_tensors_and_fres
     handoff.released_to(SERVICE)
     _, third = take(handoff, service, 0, 3)
     assert "extra" not in third["image"]
+
+
+def test_a_batch_of_varying_text_length_reuses_the_tensors_of_the_other_fields(service: FakeService) -> None:
+    handoff = Handoff()
+    seen = []
+    for fill, tokens in enumerate([3, 9, 5, 9]):  # padded text of another width each time, in the same segment
+        _, batch = take(handoff, service, 0, fill, tokens=tokens)
+        assert batch["text"]["tokens"].shape == (4, tokens) and int(batch["image"]["pixels"][0, 0, 0, 0]) == fill
+        seen.append((id(batch["image"]["pixels"]), id(batch["meta"]["gain"]), id(batch["text"]["tokens"])))
+        del batch
+        assert handoff.released_to(SERVICE) == [service.seq]
+    assert all(p == seen[0][0] and g == seen[0][1] for p, g, _ in seen), "the arrays after the text did not move"
+    assert seen[3][2] == seen[1][2], "a width seen before: its tensor again"
 
 
 HOLDS: dict[str, Callable[[dict[str, Any]], Any]] = {

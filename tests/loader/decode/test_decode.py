@@ -20,6 +20,7 @@ from PIL import Image
 
 from omnifeed.loader._errors import OmnifeedError, add_context
 from omnifeed.loader.decode import _registry as _decode
+from omnifeed.loader.decode import follow_index_tokenizer
 from omnifeed.loader.decode._config import (
     AudioDecodeConfig,
     DecodeConfig,
@@ -36,6 +37,7 @@ from omnifeed.loader.decode._registry import (
     decode_video,
     make_decoder,
 )
+from omnifeed.loader.index._tokenizers import make_token_counter
 from omnifeed.tools._demo_data import encode_flac, encode_image, encode_video
 
 
@@ -103,7 +105,7 @@ DECODERS: dict[str, Callable[[bytes, str], object]] = {
     "image": lambda data, key: decode_image(data, IMAGE, key),
     "video": lambda data, key: decode_video(data, VIDEO, key),
     "audio": lambda data, key: decode_audio(data, AUDIO, key),
-    "text": lambda data, key: decode_text(data, TextDecodeConfig(max_tokens=1000), key),
+    "text": lambda data, key: decode_text(data, TextDecodeConfig(tokenizer="bytes", max_tokens=1000), key),
 }
 CORPUS: list[tuple[str, str, Callable[[], bytes], str]] = [
     ("truncated-jpeg", "image", lambda: _jpeg()[: len(_jpeg()) // 2], "truncated"),
@@ -226,10 +228,32 @@ def test_registry_builds_picklable_decoders_for_every_modality() -> None:
 
 
 def test_text_bytes_tokenizer_and_limits() -> None:
-    text, ids = decode_text("héllo".encode(), TextDecodeConfig())
+    text, ids = decode_text("héllo".encode(), TextDecodeConfig(tokenizer="bytes"))
     assert text == "héllo" and ids.dtype == np.int64 and ids.tolist() == list("héllo".encode())
-    assert decode_text(b"", TextDecodeConfig())[1].size == 0
-    assert decode_text(b"abc", TextDecodeConfig(max_tokens=3))[1].size == 3  # the limit itself is fine
+    assert decode_text(b"", TextDecodeConfig(tokenizer="bytes"))[1].size == 0
+    assert (
+        decode_text(b"abc", TextDecodeConfig(tokenizer="bytes", max_tokens=3))[1].size == 3
+    )  # the limit itself is fine
+
+
+@pytest.mark.parametrize("name", ["regex", "whitespace", "bytes"])
+def test_text_builtin_tokenizers_make_as_many_ids_as_the_index_counts(name: str) -> None:
+    text = "naïve café—déjà vu? 3.14 is π… (roughly)\n\ufeffok"
+    _, ids = decode_text(text.encode(), TextDecodeConfig(tokenizer=name))
+    assert ids.dtype == np.int64 and ids.size == make_token_counter(name)(text)
+    assert decode_text(text.encode(), TextDecodeConfig(tokenizer=name))[1].tolist() == ids.tolist(), "stable ids"
+
+
+def test_an_unset_text_tokenizer_follows_the_index_and_a_different_one_is_refused() -> None:
+    manifest = {"config": {"tokenizer": "whitespace"}, "modalities": {"text": 3}}
+    assert follow_index_tokenizer(DecodeConfig(), manifest).text.tokenizer == "whitespace"
+    with pytest.raises(ValueError, match="differs from the index's tokenizer 'whitespace'"):
+        follow_index_tokenizer(DecodeConfig(text=TextDecodeConfig(tokenizer="bytes")), manifest)
+    no_text = {**manifest, "modalities": {"image": 3}}  # nothing to tokenize: nothing to refuse
+    assert (
+        follow_index_tokenizer(DecodeConfig(text=TextDecodeConfig(tokenizer="bytes")), no_text).text.tokenizer
+        == "bytes"
+    )
 
 
 def test_text_module_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

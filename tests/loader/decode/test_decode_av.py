@@ -111,6 +111,19 @@ def test_fps_sampling_takes_the_frame_shown_at_each_time(long_clip: bytes, every
     assert np.array_equal(out, every_frame[[k * 25 // 2 for k in range(24)]])  # shown at k/2 s
 
 
+@pytest.mark.parametrize("codec", ["libx264", "libvpx-vp9"])
+def test_frames_not_taken_that_nothing_refers_to_are_skipped_and_the_taken_ones_are_exact(
+    codec: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clip = encode_video(60, 96, 64, 25, codec=codec)  # a moving picture, one keyframe (x264: with B-frames)
+    every = decode_video(clip, VideoDecodeConfig(resize="none", max_frames=60))  # all taken: nothing skipped
+    counter = _Counter(monkeypatch)
+    out = decode_video(clip, VideoDecodeConfig(num_frames=6, resize="none"))
+    assert np.array_equal(out, every[[i * 60 // 6 for i in range(6)]])
+    if codec == "libx264":  # x264's non-reference B-frames between the taken frames were never decoded
+        assert counter.frames < 50
+
+
 def test_short_clip_gives_fewer_frames_than_asked() -> None:
     out = decode_video(_clip(5, 10, 5), VideoDecodeConfig(num_frames=8))
     assert out.shape[0] == 5

@@ -11,6 +11,7 @@ from PIL import Image
 
 from omnifeed.bucketing import CostModel
 from omnifeed.bucketing._cost import _resized
+from omnifeed.loader.decode._common import center_square
 from omnifeed.loader.decode._config import ImageDecodeConfig
 from omnifeed.loader.decode._registry import decode_image, resized_size
 from omnifeed.tools._demo_data import encode_image
@@ -92,6 +93,23 @@ def test_draft_mode_changes_speed_not_size(width: int, height: int, size: int) -
     )  # DCT-domain downscale: close, not equal
     crop_fast = decode_image(data, ImageDecodeConfig(size=size, crop="center", draft=True))
     assert crop_fast.shape == (3, size, size)
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "crop"), [(1280, 960, "none"), (1600, 900, "center"), (700, 1000, "center")]
+)
+def test_without_draft_the_pixels_are_pillows_plain_decode_and_resize(width: int, height: int, crop: str) -> None:
+    data = _smooth_jpeg(width, height)
+    with Image.open(io.BytesIO(data)) as plain:  # what a torchvision-style dataset does
+        rgb = plain.convert("RGB")
+        if crop == "center":
+            want = rgb.resize((224, 224), Image.Resampling.BILINEAR, box=center_square(width, height))
+        else:
+            want = rgb.resize(resized_size(width, height, "short_side", 224, 1024), Image.Resampling.BILINEAR)
+    exact = decode_image(data, ImageDecodeConfig(crop=crop, draft=False))  # type: ignore[arg-type]
+    assert np.array_equal(exact, np.asarray(want).transpose(2, 0, 1))
+    scaled = decode_image(data, ImageDecodeConfig(crop=crop))  # type: ignore[arg-type]
+    assert scaled.shape == exact.shape and not np.array_equal(scaled, exact), "DCT-domain scaling by default"
 
 
 @pytest.mark.parametrize(

@@ -78,6 +78,34 @@ def test_a_second_epoch_runs_from_the_caches_with_the_source_gone(
     assert fingerprint(third) == fingerprint(first)
 
 
+@pytest.mark.parametrize("when_room", [True, False])
+def test_from_the_second_epoch_fields_come_decoded_from_ram_when_it_has_room(
+    moved_dataset: tuple[SampleIndex, Path], ram_name: str, when_room: bool
+) -> None:
+    index, _ = moved_dataset
+    cache = CacheConfig(ram=RamTierConfig(name=ram_name, capacity_bytes=64 * 2**20), decoded_when_room=when_room)
+    media = ("text", "image", "video", "audio")
+
+    def counts(feed: Feed) -> dict[str, tuple[int, int]]:
+        modalities = feed.metrics()["modalities"]
+        return {m: (modalities[m]["decoded"], modalities[m]["from_decoded_cache"]) for m in media if m in modalities}
+
+    with Feed(index, FeedConfig(plan=PlanConfig(seed=1, batch_size=4), cache=cache)) as feed:
+        first = epoch(feed)
+        after_first = counts(feed)
+        second = epoch(feed)
+        after_second = counts(feed)
+    assert fingerprint(second) == fingerprint(first)
+    assert set(after_second) == set(media)
+    for modality, (fetched, cached) in after_second.items():
+        ran_first = after_first[modality][0] - after_first[modality][1]  # the feed reads ahead into epoch 2
+        assert fetched > after_first[modality][0] and ran_first > 0
+        if when_room:  # every field was decoded once, in epoch 1; since then, all from the RAM tier
+            assert fetched - cached == ran_first, modality
+        else:
+            assert cached == 0, modality
+
+
 def test_a_changed_decode_setting_never_serves_stale_decoded_entries(
     moved_dataset: tuple[SampleIndex, Path], tmp_path: Path
 ) -> None:

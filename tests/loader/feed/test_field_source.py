@@ -86,6 +86,32 @@ def test_decoded_entries_hold_the_decoders_output_and_skip_the_origin(
         assert source.raw_key(sample, location) != source.decoded_key(sample, location)
 
 
+def test_raw_entries_keep_decoded_values_in_ram_while_it_has_room_and_never_on_disk(
+    image: Field, tmp_path: Path, ram_name: str
+) -> None:
+    fingerprint, sample, location = image
+    cache = tiers(tmp_path, ram_name)  # entries: raw, decoded_when_room by default
+    with closing(FieldSource(cache, fingerprint, DecodeConfig())) as source:
+        assert source.load(sample, location) == ("raw", stored(sample, location))
+        source.remember(sample, location, DECODED)
+        kind, value = source.load(sample, location)
+        assert kind == "decoded" and np.array_equal(value[0], DECODED[0])
+        assert source.stats()["nvme"]["entries"] == 1, "the raw entry only"
+    RamTier.remove(ram_name)
+    with RamTier(cache.ram) as ram:  # another job fills the node's RAM tier to within an eighth of its capacity
+        for i in range(16):
+            assert ram.put(b"filler-%02d-------" % i, bytes(470_000))
+        assert ram.stats()["bytes_used"] > 7 / 8 * ram.capacity
+        with closing(FieldSource(cache, fingerprint, DecodeConfig())) as full:
+            full.remember(sample, location, DECODED)
+            assert full.load(sample, location) == ("raw", stored(sample, location)), "no room: not kept"
+            entries = ram.stats()["entries"]
+    assert entries == 17, "the fillers and the raw entry: nothing evicted for a decoded one"
+    off = cache.model_copy(update={"decoded_when_room": False})
+    with closing(FieldSource(off, fingerprint, DecodeConfig())) as source:
+        assert source.decoded_key(sample, location) is None
+
+
 def test_a_changed_decode_setting_never_meets_the_old_decoded_entry(
     image: Field, tmp_path: Path, ram_name: str
 ) -> None:

@@ -195,6 +195,23 @@ def test_workers_take_each_modalitys_tasks_from_the_owners_in_turn(pools: Decode
     assert [name for name, _ in log][:3] == ["a0", "a1", "b0"]
 
 
+def test_workers_serve_the_owner_whose_consumer_needs_its_next_task_soonest(pools: DecodePools) -> None:
+    a, b = pools.owner(Errors()), pools.owner(Errors())
+    gate, started, log = threading.Event(), threading.Event(), list[Any]()
+    events = [threading.Event() for _ in range(5)]
+    assert admits(a, 2) and admits(b, 2)
+    a.submit("text", task(events[0], gate=gate, started=started), due=0.0)  # holds the only worker
+    assert started.wait(WAIT)
+    a.submit("text", task(events[1], log=log, name="a8"), due=8.0)  # needed once a's consumer has taken 8 of cost
+    a.submit("text", task(events[2], log=log, name="a16"), due=16.0)
+    b.submit("text", task(events[3], log=log, name="b0"), due=0.0)
+    b.submit("text", task(events[4], log=log, name="b12"), due=12.0)
+    a.consumed(6.0)  # a's consumer took a micro-batch: a16 is 10 ahead of it now, b12 still 12
+    gate.set()
+    assert all(e.wait(WAIT) for e in events)
+    assert [name for name, _ in log] == ["b0", "a8", "a16", "b12"]
+
+
 def test_closing_the_pools_stops_the_workers_and_tells_open_owners() -> None:
     before = set(threading.enumerate())
     errors = Errors()

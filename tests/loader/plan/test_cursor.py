@@ -56,7 +56,7 @@ def test_the_state_is_small_json_with_the_documented_keys_at_every_step() -> Non
         assert set(state) == DOCUMENTED_KEYS
         assert json.loads(json.dumps(state)) == state and len(json.dumps(state)) < 600
         cursor.next_step()
-    assert cursor.state_dict()["step"] == 40 and cursor.state_dict()["format"] == "omnifeed.plan-state/1"
+    assert cursor.state_dict()["step"] == 40 and cursor.state_dict()["format"] == "omnifeed.plan-state/2"
 
 
 @pytest.mark.parametrize(
@@ -186,3 +186,12 @@ def test_worlds_and_accumulation_must_be_positive_integers() -> None:
             PlanCursor(plan(), world_size=bad)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="must be a positive integer"):
             PlanCursor(plan()).resize(2, grad_accum=bad)  # type: ignore[arg-type]
+
+
+def test_a_state_saved_before_issue_29_is_refused_in_one_line_saying_what_to_do() -> None:
+    cursor = PlanCursor(plan())
+    state = cursor.state_dict() | {"format": "omnifeed.plan-state/1"}  # budget mode formed other micro-batches then
+    with pytest.raises(ValueError) as refused:
+        PlanCursor(plan()).load_state_dict(state)
+    message = str(refused.value)
+    assert "\n" not in message and "omnifeed.plan-state/2" in message and "start the run without it" in message

@@ -116,7 +116,9 @@ def test_feedback_stays_within_bounds() -> None:
 
 
 def test_cost_model_weights_change_the_budget_accounting() -> None:
-    heavy_text = _plan(budget=20000, overlong="alone", cost=CostModel(weights={"text": 4.0, "image": 1.0}))
+    heavy_text = _plan(
+        budget=20000, overlong="alone", cost=CostModel(weights={"text": 4.0, "image": 1.0, "video": 1.0, "audio": 1.0})
+    )
     light_text = _plan(budget=20000, overlong="alone")
     assert len(_epoch(heavy_text)) > len(_epoch(light_text))
 
@@ -209,3 +211,59 @@ def test_a_state_with_carried_ids_resumes_exactly_and_bad_carried_ids_are_refuse
         with pytest.raises(ValueError, match=named) as raised:
             PlanCursor(plan).load_state_dict(state | {"carried": bad})
         assert "\n" not in str(raised.value)
+
+
+def _report(plan: Plan, world_size: int) -> dict:
+    report, cursor = PlanReport(plan), PlanCursor(plan, world_size=world_size)
+    while not cursor.epoch_delivered(0):
+        report.add(cursor.next_step())
+    return report.stats()
+
+
+def _columns(n: int, seed: int = 0, speech: float = 0.0, long_documents: int = 0) -> dict[str, np.ndarray]:
+    """Documents (a few ``long_documents`` far over the budget), or a share of short speech with transcripts."""
+    from omnifeed.bucketing import INDEX_COLUMNS
+
+    rng = np.random.default_rng(seed)
+    columns = {name: np.zeros(n) for name in INDEX_COLUMNS}
+    talk = rng.random(n) < speech
+    columns["audio_seconds"] = np.where(talk, np.clip(rng.lognormal(1.0, 0.8, n), 0.3, 30), 0)
+    tokens = np.where(talk, columns["audio_seconds"] * 3, rng.lognormal(5.0, 0.8, n))
+    tokens[:long_documents] = 12000 + 3000 * np.arange(long_documents)
+    columns["text_tokens"] = np.maximum(tokens, 1).astype(np.int64)
+    return columns
+
+
+def _plan_of(columns: dict[str, np.ndarray], budget: float, **config: object) -> Plan:
+    cfg = PlanConfig(seed=2, bucketing=BucketingConfig(budget=budget, overlong="alone"), **config)  # type: ignore[arg-type]
+    return Plan(
+        len(columns["text_tokens"]), cfg, index_fingerprint=FP, lengths=lambda p: {k: v[p] for k, v in columns.items()}
+    )
+
+
+def test_stats_report_the_worst_step_apart_from_the_final_one_and_no_limit_when_targets_are_met() -> None:
+    plan = _plan_of(_columns(6000), 4000)
+    stats, costs = _report(plan, 3), []
+    cursor = PlanCursor(plan, world_size=3)
+    while not cursor.epoch_delivered(0):
+        step = cursor.next_step()
+        if not any(mb.ends_epoch for mb in step.micro_batches):
+            costs.append([mb.cost for mb in step.micro_batches])
+    assert stats["balance_worst_before_final_step"] == pytest.approx(max(max(c) / np.mean(c) for c in costs), rel=1e-5)
+    assert stats["final_step_balance"] is not None and len(stats["worst_step"]) == 3
+    assert stats["limits"] == [] and stats["padding_fraction"]["text"] <= stats["targets"]["padding_fraction"]
+    assert stats["padding_estimate"]["text"] <= 0.03
+
+
+def test_stats_name_overlong_samples_when_they_unbalance_a_step() -> None:
+    stats = _report(_plan_of(_columns(6000, long_documents=3), 4000), 4)
+    assert stats["balance_worst_before_final_step"] > 1.15
+    assert any(line.startswith("overlong samples") for line in stats["limits"]), stats["limits"]
+
+
+def test_stats_name_the_rare_stream_a_small_window_cannot_make_tight() -> None:
+    stats = _report(_plan_of(_columns(6000, speech=0.02), 4000, window_size=600), 2)
+    assert stats["padding_fraction"]["audio"] > 0.03
+    assert any(line.startswith("window too small for stream audio") for line in stats["limits"]), stats["limits"]
+    whole = _report(_plan_of(_columns(3000, speech=0.01), 4000), 2)
+    assert any(line.startswith("epoch too small for stream audio") for line in whole["limits"]), whole["limits"]

@@ -8,6 +8,7 @@ import pickle
 import socket
 import stat
 import struct
+import sys
 import threading
 import time
 from pathlib import Path
@@ -135,6 +136,19 @@ def test_the_socket_directory_and_socket_are_private(service: FeedService) -> No
     path = Path(service.address)
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     assert stat.S_IMODE(path.lstat().st_mode) & 0o077 == 0
+
+
+def test_the_service_runs_at_its_switch_interval_and_gives_the_process_its_own_back(index_dir: Path) -> None:
+    before = sys.getswitchinterval()
+    config = ServiceConfig(
+        index=str(index_dir),
+        feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),
+        socket=str(short_socket_dir() / "feed.sock"),
+        switch_interval_s=0.0007,
+    )
+    with FeedService(config):
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+    assert sys.getswitchinterval() == before
 
 
 def test_a_socket_directory_open_to_others_is_refused(index_dir: Path) -> None:

@@ -1,0 +1,34 @@
+"""The service production benchmark's harness runs end to end on a tiny mix (checks the harness, not speed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_service_production.py"
+
+
+@pytest.mark.soak
+def test_bench_service_production_reports_both_layouts_with_their_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "--samples", "48", "--epochs", "2", "--rounds", "1", "--compute-ms", "1"]
+        + ["--work", str(tmp_path / "work"), "--out", str(out)]
+        + ["--instrument", "loader.feed._dealing:DealtSteps.next_step"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    rows = json.loads(out.read_text())["rows"]
+    for layout in ("feeds", "service"):
+        assert rows[layout]["samples"] > 0 and rows[layout]["samples_per_cpu_s"] > 0
+        assert 0 <= rows[layout]["waited_fraction"] <= 1
+    service = rows["service"]["service"]
+    assert service["cpu_s"] > 0 and any(name.startswith("omnifeed-") for name in service["threads"])
+    assert service["spent"]["loader.feed._dealing:DealtSteps.next_step"][1] > 0
+    assert rows["service"]["vs_feeds"]["samples_per_s"] > 0
