@@ -62,6 +62,7 @@ import torch.utils.data as tud
 import webdataset
 
 from omnifeed.loader import FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
+from omnifeed.loader.feed import FeedPosition
 from omnifeed.loader.feed._collate import collate
 from omnifeed.loader.feed._feed import Feed, Taken
 from omnifeed.loader.feed._torch_batch import to_torch
@@ -113,11 +114,12 @@ def premade_take(samples: list[dict[str, Any]], keys: list[str]) -> Callable[[Fe
 
     def take(feed: Feed) -> Taken:
         cursor = getattr(feed, "_bench_cursor", None)
-        if cursor is None or getattr(feed, "_bench_at", None) is not feed._position:  # restarted: rebuild
+        position = feed.position
+        if cursor is None or getattr(feed, "_bench_at", None) is not position:  # restarted: rebuild
             cursor = PlanCursor(feed.plan, world_size=feed.world_size, grad_accum=feed.grad_accum)
-            cursor.load_state_dict(feed._position)
+            cursor.load_state_dict(position.plan_state)
         step = cursor.next_step()
-        accum = feed._accum_done
+        accum = position.accum_done
         micro_batch = step.for_rank(feed.rank)[accum]
         taken = [keys[p] for p in micro_batch.positions.tolist()]
         info = {
@@ -131,9 +133,9 @@ def premade_take(samples: list[dict[str, Any]], keys: list[str]) -> Callable[[Fe
         }
         record = {**delivery_record(step, feed.rank, accum, micro_batch, taken), "replaced": []}
         if accum + 1 == feed.grad_accum:
-            feed._position, feed._accum_done = cursor.state_dict(), 0
+            feed._position = FeedPosition(cursor.state_dict(), checked=True)
         else:  # the rest of the step comes from a cursor at the step's start
-            feed._accum_done = accum + 1
+            feed._position = FeedPosition(position.plan_state, accum + 1, checked=True)
             cursor = None
         feed._bench_cursor, feed._bench_at = cursor, feed._position  # type: ignore[attr-defined]
         return Taken(samples[: len(taken)], taken, info, record)

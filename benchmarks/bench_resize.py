@@ -63,7 +63,7 @@ from typing import Any
 import yaml
 
 from omnifeed.loader import Feed, FeedConfig, PlanConfig, SampleIndex
-from omnifeed.loader.feed._feed import FEED_STATE_FORMAT
+from omnifeed.loader.feed import FEED_STATE_FORMAT
 from omnifeed.loader.plan._cursor import PlanCursor
 from omnifeed.loader.plan._plan import Plan
 from omnifeed.loader.service._protocol import request_metrics, wait_until_serving

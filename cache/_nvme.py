@@ -23,214 +23,28 @@ are dropped (they are read again from the source).
 from __future__ import annotations
 
 import errno
-import hashlib
 import logging
 import os
-import pwd
-import secrets
-import stat
 import struct
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lmdb
-import numpy as np
-import xxhash
 
 from ._config import NvmeTierConfig
 from ._errors import CacheError
-from ._sketch import SCAN_LIMIT, FrequencySketch, keeps_victim
+from ._nvme_directory import DRAFT_PREFIX, FILES, cache_secret, checksum, owned_directory
+from ._nvme_environment import SUB_DATABASES, Gate, open_sketch, release_environment, shared_environment
+from ._sketch import SCAN_LIMIT, keeps_victim
 
 log = logging.getLogger(__name__)
 
-_AVERAGE_ENTRY = 64 * 1024  # sizing assumption for the sketch
-_SKETCH_HEADER = 64
 _META = struct.Struct("<QQ")  # sequence number, accounted size
 _MAX_ENTRY_FRACTION = 0.125
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-_SECRET_BYTES = 32
-_FILES = ("data.mdb", "lock.mdb", "sketch.bin", "secret")  # what the tier keeps in its directory
-_DRAFT_PREFIX = ".secret-"  # a secret being written, where the file system has no O_TMPFILE
-_SUB_DATABASES = (b"data", b"queue", b"meta", b"info")
-
-_ENVIRONMENTS: dict[tuple[int, str], tuple[lmdb.Environment, int]] = {}
-_ENVIRONMENTS_LOCK = threading.Lock()
-
-
-def _checksum(secret: bytes, key: bytes, value: bytes | memoryview) -> bytes:
-    """The entry's 8-byte checksum: xxh3-64 of ``value``, seeded by the BLAKE2b of ``key`` keyed with ``secret``.
-
-    Fast on large values (a BLAKE2b of every value costs ~1 ms per MiB), and not computable
-    without the secret.
-    """
-    seed = hashlib.blake2b(key, key=secret, digest_size=8).digest()
-    return xxhash.xxh3_64_digest(value, seed=int.from_bytes(seed, "little"))
-
-
-def _owner(uid: int) -> str:
-    try:
-        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def _refuse_foreign(path: Path, info: os.stat_result, closed: int) -> None:
-    """CacheError unless ``info`` (of ``path``) belongs to this user with none of the ``closed`` permission bits."""
-    mode = stat.S_IMODE(info.st_mode)
-    if info.st_uid != os.getuid() or mode & closed:
-        raise CacheError(
-            f"{path} belongs to {_owner(info.st_uid)} with mode {mode:o}: another user could read or "
-            "rewrite the cached samples; remove it, or point cache.nvme.path at a directory of your own "
-            "(created 0700 when absent)"
-        )
-
-
-def _refuse_swappable(root: Path) -> None:
-    """CacheError if another user could rename ``root`` (or a folder above it) away and put their own in its place.
-
-    LMDB opens the checked directory again by name, so the path itself must be stable: each folder
-    above it belongs to this user or root and is closed to writers, or is sticky (as /tmp is) with
-    the next component this user's or root's (the rule of OpenSSH's StrictModes).
-    """
-    child = root
-    for parent in root.parents:
-        info = os.lstat(parent)
-        mode = stat.S_IMODE(info.st_mode)
-        owner = os.lstat(child).st_uid
-        open_to_writers = info.st_uid not in (0, os.getuid()) or (mode & 0o022 and not mode & stat.S_ISVTX)
-        if open_to_writers or (mode & 0o022 and owner not in (0, os.getuid())):
-            raise CacheError(
-                f"{parent} (of {_owner(info.st_uid)}, mode {mode:o}) lets another user replace {child} "
-                f"and so the cache in {root}; point cache.nvme.path at a directory under folders "
-                "only you (or root) can write, or under a sticky one like /tmp"
-            )
-        child = parent
-
-
-def _owned_directory(path: Path) -> Path:
-    """``path`` with links resolved: a directory of this user that only it can write, created 0700 when absent.
-
-    The files the tier keeps there must be regular files of this user that only it can write.
-    Raises CacheError (another user's, or open to others), OSError (cannot be created).
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    root = Path(os.path.realpath(path))
-    info = os.lstat(root)
-    if not stat.S_ISDIR(info.st_mode):
-        raise CacheError(f"{path} is not a directory; point cache.nvme.path at a directory of your own")
-    _refuse_foreign(root, info, 0o022)
-    _refuse_swappable(root)
-    for name in _FILES:
-        try:
-            info = os.lstat(root / name)
-        except FileNotFoundError:
-            continue
-        if not stat.S_ISREG(info.st_mode):
-            raise CacheError(f"{root / name} is not a regular file (a link, say); remove it")
-        _refuse_foreign(root / name, info, 0o022)
-    return root
-
-
-def _cache_secret(root: Path) -> tuple[bytes, bool]:
-    """The tier's secret, made now (``root/secret``, 0600, published whole with a link) if absent; (secret, made)."""
-    path = root / "secret"
-    while True:
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            made = _make_secret(path)
-            if made is not None:
-                return made, True
-            continue  # another process published one first: use it
-        try:
-            _refuse_foreign(path, os.fstat(fd), 0o077)
-            secret = os.read(fd, _SECRET_BYTES + 1)
-        finally:
-            os.close(fd)
-        if len(secret) != _SECRET_BYTES:
-            raise CacheError(
-                f"{path} is not a cache secret of {_SECRET_BYTES} bytes; remove it (the cached entries "
-                "are then read again from the source)"
-            )
-        return secret, False
-
-
-def _make_secret(path: Path) -> bytes | None:
-    """Write a new secret and link it at ``path`` whole; None if another process linked one first.
-
-    An unnamed file (``O_TMPFILE``) when the file system has them, so a crash leaves nothing
-    behind; else a draft file beside it, removed after the link.
-    """
-    secret = secrets.token_bytes(_SECRET_BYTES)
-    folder = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    draft: str | None = None
-    try:
-        try:
-            fd = os.open(".", os.O_TMPFILE | os.O_WRONLY | os.O_CLOEXEC, 0o600, dir_fd=folder)
-        except (OSError, AttributeError):  # no O_TMPFILE on this system or file system
-            draft = f"{_DRAFT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-            fd = os.open(
-                draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder
-            )
-        try:
-            os.write(fd, secret)
-            os.fsync(fd)
-            # atomic: readers find no secret, or a whole one (a dir_fd makes this linkat, following /proc's link)
-            os.link(f"/proc/self/fd/{fd}" if draft is None else draft, path.name, src_dir_fd=folder, dst_dir_fd=folder)
-        except FileExistsError:
-            return None
-        finally:
-            os.close(fd)
-            if draft is not None:
-                os.unlink(draft, dir_fd=folder)
-    finally:
-        os.close(folder)
-    return secret
-
-
-class _Gate:
-    """Many transactions at once, or one map resize alone (LMDB forbids resizing under live transactions)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._active = 0
-        self._resizing = False
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._active -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            while self._resizing:
-                self._cond.wait()
-            self._resizing = True
-            while self._active:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._resizing = False
-                self._cond.notify_all()
 
 
 class NvmeTier:
@@ -240,13 +54,13 @@ class NvmeTier:
     by others (the message says what to do); other failures to open make it pass-through.
     """
 
-    SUB_DATABASES = _SUB_DATABASES
+    SUB_DATABASES = SUB_DATABASES
     """The LMDB sub-databases of a tier: an environment holding them all is an omnifeed tier."""
 
     @staticmethod
     def is_own_file(name: str) -> bool:
         """Whether a file called ``name`` in a tier's directory is one the tier keeps there (or a secret being written)."""
-        return name in _FILES or name.startswith(_DRAFT_PREFIX)
+        return name in FILES or name.startswith(DRAFT_PREFIX)
 
     def __init__(self, config: NvmeTierConfig) -> None:
         self._setup(config)
@@ -260,7 +74,7 @@ class NvmeTier:
         self._max_entry = int(self.capacity * _MAX_ENTRY_FRACTION)
         self._pid = -1
         self._env: lmdb.Environment | None = None
-        self._gate = _Gate()
+        self._gate = Gate()
         self._write_lock = threading.Lock()
         self.degraded: str | None = None
         self._stats = {
@@ -287,10 +101,10 @@ class NvmeTier:
         self._pid = os.getpid()
         self._env = None  # a parent's handle (after fork) is released by _environment
         try:
-            self._root = _owned_directory(self.path)  # cached samples are the user's data
-            self._secret, made = _cache_secret(self._root)
+            self._root = owned_directory(self.path)  # cached samples are the user's data
+            self._secret, made = cache_secret(self._root)
             self._env = self._environment()
-            self._data, self._queue, self._meta, self._info = (self._env.open_db(name) for name in _SUB_DATABASES)
+            self._data, self._queue, self._meta, self._info = (self._env.open_db(name) for name in SUB_DATABASES)
             self._open_sketch()
             if made:
                 self._forget_unkeyed()
@@ -320,57 +134,10 @@ class NvmeTier:
             )
 
     def _environment(self) -> lmdb.Environment:
-        # One environment per process and path: LMDB must not open the same file twice in a process.
-        key = (os.getpid(), str(self._root))
-        with _ENVIRONMENTS_LOCK:
-            for inherited in [k for k in _ENVIRONMENTS if k[0] != key[0]]:
-                # opened by the parent before a fork: release the child's copy (py-lmdb only
-                # unmaps it) so this process can open the environment for itself
-                _ENVIRONMENTS.pop(inherited)[0].close()
-            env, users = _ENVIRONMENTS.get(key, (None, 0))
-            if env is None:
-                initial = min(self.max_map, max(2 * self.capacity, 64 * 2**20))
-                env = lmdb.open(
-                    str(self._root),
-                    map_size=initial,
-                    max_dbs=len(_SUB_DATABASES),
-                    max_readers=1024,
-                    readahead=False,
-                    meminit=False,
-                    sync=False,
-                    metasync=False,
-                    mode=0o600,
-                )
-            _ENVIRONMENTS[key] = (env, users + 1)
-            return env
+        return shared_environment(self._root, min(self.max_map, max(2 * self.capacity, 64 * 2**20)))
 
     def _open_sketch(self) -> None:
-        path = self._root / "sketch.bin"
-        width = FrequencySketch.width_for(self.capacity // _AVERAGE_ENTRY)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.ftruncate(fd, _SKETCH_HEADER + FrequencySketch.nbytes(width))
-            finally:
-                os.close(fd)
-        except FileExistsError:
-            # Another process may have it mapped: never resize it (that would SIGBUS them).
-            # Adopt its width; the sketch only steers admission, any width works.
-            for _ in range(100):  # the creator sizes it right after creating it
-                found = (path.stat().st_size - _SKETCH_HEADER) // FrequencySketch.nbytes(1)
-                if found > 0:
-                    break
-                time.sleep(0.01)
-            if found >= 1024 and found & (found - 1) == 0:
-                width = found
-            else:
-                raise OSError(
-                    f"{path} is not a frequency sketch of this version; remove it (the cache stays valid)"
-                ) from None
-        size = _SKETCH_HEADER + FrequencySketch.nbytes(width)
-        mapping = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
-        self._sketch_ops = mapping[:8].view("<u8")
-        self._sketch = FrequencySketch(mapping[_SKETCH_HEADER:], width, sample_size=10 * max(1024, width // 4))
+        self._sketch_ops, self._sketch = open_sketch(self._root, self.capacity)
 
     def _ready(self) -> bool:
         if self._pid != os.getpid():  # forked or unpickled: this process opens its own environment
@@ -382,14 +149,7 @@ class NvmeTier:
         env, self._env = self._env, None
         if env is None or self._pid != os.getpid():
             return
-        key = (self._pid, str(self._root))
-        with _ENVIRONMENTS_LOCK:
-            _, users = _ENVIRONMENTS.get(key, (env, 1))
-            if users <= 1:
-                _ENVIRONMENTS.pop(key, None)
-                env.close()
-            else:
-                _ENVIRONMENTS[key] = (env, users - 1)
+        release_environment(self._pid, self._root, env)
 
     def __enter__(self) -> NvmeTier:
         return self
@@ -461,7 +221,7 @@ class NvmeTier:
                     self._count("misses")
                     return None
                 value = bytes(raw[8:])
-                intact = _checksum(self._secret, key, value) == bytes(raw[:8])
+                intact = checksum(self._secret, key, value) == bytes(raw[:8])
         except lmdb.Error as exc:
             self._degrade(f"a read failed: {exc}")
             return None
@@ -548,7 +308,7 @@ class NvmeTier:
                 if not room:
                     counts["rejected"] += 1
                     continue
-                txn.put(key, _checksum(self._secret, key, value) + value, db=self._data)
+                txn.put(key, checksum(self._secret, key, value) + value, db=self._data)
                 txn.put(key, _META.pack(seq, size), db=self._meta)
                 txn.put(seq.to_bytes(8, "big"), key, db=self._queue)
                 seq, used, count, held = seq + 1, used + size, count + 1, held + 1

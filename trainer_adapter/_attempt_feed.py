@@ -91,7 +91,7 @@ class AttemptFeed(Feed):
             return taken
         if self.attempt is None:
             self.attempt = f"{self._checkpoint}-{xxhash.xxh64_hexdigest(self._round.encode())[:12]}"
-            self._write(resume_marker(self.attempt, self.state_dict()))
+            self._write(resume_marker(self.attempt, self.position))
         taken = super().take()
         self._write({**taken.record, "since": self.attempt})
         return taken

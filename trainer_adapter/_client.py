@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from omnifeed.loader import Feed, FeedError
-from omnifeed.loader.feed import FEED_STATE_FORMAT
+from omnifeed.loader.feed import FeedPosition
 from omnifeed.loader.service import (
     MAX_REPLY_BYTES,
     PROTOCOL,
@@ -228,7 +228,7 @@ class FeedClient:
         start = self.epoch
 
         def batches() -> Iterator[dict[str, Any]]:
-            while not (self._accum_done() == 0 and self.epoch > start):
+            while not (self._position().accum_done == 0 and self.epoch > start):
                 yield self.next_batch()
 
         return batches()
@@ -266,14 +266,11 @@ class FeedClient:
     @property
     def epoch(self) -> int:
         """Epoch of the next batch this client will yield."""
-        if self._feed is not None:
-            return self._feed.epoch
-        return int(self._current_state()["plan"]["epoch"])
+        return self._position().epoch
 
-    def _accum_done(self) -> int:
-        if self._feed is not None:
-            return int(self._feed.state_dict()["accum_done"])
-        return int(self._current_state()["accum_done"])
+    def _position(self) -> FeedPosition:
+        """Where the client is: the in-process feed's position, or the last state the service sent, read."""
+        return self._feed.position if self._feed is not None else FeedPosition.from_dict(self._current_state())
 
     def next_batch(self) -> dict[str, Any]:
         """The next batch of this rank (crossing epochs freely); waits for, and reconnects to, the service."""
@@ -415,9 +412,8 @@ class FeedClient:
         The service checks the state at once (another index or batching config is refused,
         naming both fingerprints).
         """
-        if not isinstance(state, Mapping) or state.get("format") != FEED_STATE_FORMAT or "plan" not in state:
-            raise ValueError(f"not a feed state (format {FEED_STATE_FORMAT!r} expected)")
-        saved = (int(state["plan"]["world_size"]), int(state["plan"]["grad_accum"]))
+        position = FeedPosition.from_dict(state)
+        saved = (position.world_size, position.grad_accum)
         if self._feed is not None:
             self._feed.load_state_dict(state)
         else:
@@ -444,11 +440,11 @@ class FeedClient:
         Batches already taken stay valid. Later batches are this rank's share of the rest of
         the plan at the new size: nothing skipped, nothing repeated across all ranks.
         """
-        state = self.state_dict()
-        if state["accum_done"]:
+        position = self._position()
+        if position.accum_done:
             raise FeedError(
-                f"resize at a step boundary: {state['accum_done']} of {self.grad_accum} micro-batches of "
-                f"step {state['plan']['step']} are delivered; finish the step first"
+                f"resize at a step boundary: {position.accum_done} of {self.grad_accum} micro-batches of "
+                f"step {position.step} are delivered; finish the step first"
             )
         previous = (self.dp_world_size, self.grad_accum)
         self._set_topology(rank, world_size, dp_rank, dp_world_size, grad_accum or self.grad_accum)
@@ -470,7 +466,7 @@ class FeedClient:
             previous_world_size=previous_world_size,
             grad_accum=self.grad_accum,
             previous_grad_accum=previous_grad_accum,
-            topology_version=int(self.state_dict()["plan"]["topology_version"]),
+            topology_version=self._position().topology_version,
             micro_batch_samples=None if budget is not None else batch_size,
             micro_batch_cost=budget,
             lr_rule=self.lr_rule,

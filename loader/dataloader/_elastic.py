@@ -19,6 +19,7 @@ from typing import Any
 
 from torch.utils.data import Sampler
 
+from ..feed import FeedPosition
 from ..plan import Plan, PlanConfig, PlanCursor
 
 
@@ -74,10 +75,10 @@ class ElasticBatchSampler(Sampler[list[int]]):
     def steps_left(self, state: Mapping[str, Any] | None = None) -> int:
         """This rank's batches left in the epoch in progress at ``state`` (default: now)."""
         state = state or self.state_dict()
-        plan = state["plan"]
-        if state["epoch"] is not None and plan["epoch"] > state["epoch"]:
+        position = FeedPosition(state["plan"]).moved_to(self.plan, world_size=self.world_size, grad_accum=1)
+        if state["epoch"] is not None and position.epoch > state["epoch"]:
             return 0
-        return max(0, -(-(self.micro_batches_per_epoch - int(plan["micro_batch"])) // self.world_size))
+        return position.micro_batches_left(self.plan)
 
     def __len__(self) -> int:
         return self.steps_left()

@@ -75,11 +75,7 @@ def feed_steps_left(feed: Feed) -> int:
             "len() is unknown with bucketing: micro-batches are filled to a cost budget, so their "
             "number is only known once the epoch is planned; count steps with the plan instead"
         )
-    n, b = plan.num_samples, plan.config.batch_size
-    per_epoch = n // b if plan.config.drop_last else -(-n // b)
-    state = feed.state_dict()
-    steps = -(-(per_epoch - int(state["plan"]["micro_batch"])) // (feed.world_size * feed.grad_accum))
-    return max(0, steps * feed.grad_accum - int(state["accum_done"]))
+    return feed.position.micro_batches_left(plan)
 
 
 def feed_batches(feed: Feed, pin: bool) -> Iterator[dict[str, Any]]:

@@ -17,59 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from .._modalities import MODALITIES
-from ..decode import follow_index_tokenizer, make_decoder
 from ..index import SampleIndex
-from ..plan import Plan, PlanCursor, delivery_record, open_audit_log, steps_left_in_epoch
+from ..plan import Plan, delivery_record, open_audit_log
 from ._collate import Decoded, collate
 from ._config import FeedConfig
-from ._dealing import DealtSteps
+from ._engine import DecodeEngine, SharedResources, with_index_tokenizer
 from ._healing import ErrorBudget, FeedError, SampleFailure, fallback_positions, replacement_slot
-from ._metrics import FeedMetrics
-from ._pipeline import FieldReader, Handover, PendingBatch, Pipeline, Slot, fields_to_decode
-from ._pools import DecodePools
-
-FEED_STATE_FORMAT = "omnifeed.feed-state/1"
-
-
-def feed_state(plan: Plan, state: Mapping[str, Any] | None, *, world_size: int, grad_accum: int) -> dict[str, Any]:
-    """``state`` checked against ``plan`` and moved to this topology (a resize); the plan's start for None.
-
-    Raises ``StateMismatchError`` for another index or batching config, ``ValueError`` for a
-    malformed state, ``FeedError`` for a state in the middle of a step at another topology.
-    """
-    cursor = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
-    if state is None:
-        return {"format": FEED_STATE_FORMAT, "plan": cursor.state_dict(), "accum_done": 0}
-    if (
-        not isinstance(state, Mapping)
-        or set(state) != {"format", "plan", "accum_done"}
-        or state["format"] != FEED_STATE_FORMAT
-    ):
-        raise ValueError(f"not a feed state (expected keys format, plan, accum_done with format {FEED_STATE_FORMAT!r})")
-    accum_done = state["accum_done"]
-    if not isinstance(accum_done, int) or isinstance(accum_done, bool) or not 0 <= accum_done < grad_accum:
-        raise ValueError(f"feed state accum_done {accum_done!r} outside 0..{grad_accum - 1}")
-    if not isinstance(state["plan"], Mapping):
-        raise ValueError("feed state 'plan' must be a plan cursor state")
-    cursor.load_state_dict(state["plan"])
-    if accum_done and cursor.topology_version != state["plan"]["topology_version"]:
-        raise FeedError("the state is in the middle of a step; resume it at the world size it was saved with")
-    return {"format": FEED_STATE_FORMAT, "plan": cursor.state_dict(), "accum_done": accum_done}
-
-
-@dataclass(frozen=True)
-class SharedResources:
-    """What the feeds of one owner share (the service's streams): its plan, field reader (cache tiers, I/O threads),
-    metrics, decode pools, where a micro-batch a retired feed already decoded is taken from (``handover``), and the
-    steps of the plan dealt once for all of them (``dealt``)."""
-
-    plan: Plan
-    reader: FieldReader
-    metrics: FeedMetrics
-    pools: DecodePools | None = None
-    handover: Handover | None = None
-    dealt: DealtSteps | None = None
+from ._pipeline import PendingBatch, Pipeline, Slot, fields_to_decode
+from ._position import FeedPosition
 
 
 @dataclass
@@ -82,20 +37,15 @@ class Taken:
     record: dict[str, Any]
 
 
-def with_index_tokenizer(config: FeedConfig, index: SampleIndex, users_text_decoder: bool = False) -> FeedConfig:
-    """``config`` with ``decode.text.tokenizer`` the index's when unset; ValueError when a set one differs from it."""
-    decode = follow_index_tokenizer(config.decode, index.manifest, users_text_decoder)
-    return config if decode is config.decode else config.model_copy(update={"decode": decode})
-
-
 class Feed:
     """Ready batches for one data-parallel rank: an iterable with state, resize and close.
 
     ``decoders`` replaces the decoder of a modality (``(bytes, key) -> value``; raise
     ``DecodeError`` for bad input). ``audit_log`` appends one delivery record per batch
-    (the shape `omnifeed verify` reads). ``shared``: use another owner's plan, field reader,
-    metrics, decode pools and hand-over (the service's streams, `SharedResources`); the feed
-    never closes them, and ``decoders`` then belong to that reader's owner (ValueError).
+    (the shape `omnifeed verify` reads). ``shared``: use another owner's plan, engine (field
+    reader, metrics, decode pools) and hand-over (the service's streams, `SharedResources`); the
+    feed never closes them, and ``decoders`` then belong to that engine's owner (ValueError).
+    Without it the feed builds its own `DecodeEngine` (its pipeline makes the decode pools).
     """
 
     def __init__(
@@ -118,29 +68,17 @@ class Feed:
         self._check_rank(world_size, rank)
         self._audit: IO[str] | None = open_audit_log(audit_log) if audit_log else None
         self.world_size, self.rank, self.grad_accum = world_size, rank, grad_accum
-        self._position = PlanCursor(self.plan, world_size=world_size, grad_accum=grad_accum).state_dict()
-        self._accum_done = 0
+        self._position = FeedPosition.start(self.plan, world_size=world_size, grad_accum=grad_accum)
         self._budget = ErrorBudget(self.config.error_budget, self.config.error_budget_min_samples)
         self._pipeline: Pipeline | None = None
-        if shared is None:
-            self._metrics = FeedMetrics()
-            chosen = {m: make_decoder(m, self.config.decode) for m in MODALITIES}
-            self._reader = FieldReader(
-                self.config,
-                {**chosen, **(decoders or {})},
-                self._metrics,
-                self.index.fingerprint,
-                frozenset(decoders or ()),
-            )
-            self._shared_pools: DecodePools | None = None
-            self._handover: Handover | None = None
-            self._dealt: DealtSteps | None = None
-        else:
-            self._metrics, self._reader = shared.metrics, shared.reader
-            self._shared_pools, self._handover, self._dealt = shared.pools, shared.handover, shared.dealt
-        self._owns_reader = shared is None
+        self._owns_engine = shared is None
+        if shared is None:  # pools=None: each pipeline makes its own
+            shared = DecodeEngine.build(self.index, self.config, decoders=decoders, with_pools=False).shared(self.plan)
+        self._engine = shared.engine
+        self._metrics, self._reader = shared.engine.metrics, shared.engine.reader
+        self._shared_pools, self._handover, self._dealt = shared.engine.pools, shared.handover, shared.dealt
         self._finalizer = weakref.finalize(
-            self, _close_resources, [None], self._reader if self._owns_reader else None, self._audit
+            self, _close_resources, [None], self._engine if self._owns_engine else None, self._audit
         )
         self._closed = False
 
@@ -158,12 +96,17 @@ class Feed:
 
         At an epoch's start, the whole epoch's share. Plans the rest of the epoch (no data read).
         """
-        return steps_left_in_epoch(self.plan, self._position) * self.grad_accum - self._accum_done
+        return self._position.micro_batches_left(self.plan)
 
     @property
     def epoch(self) -> int:
         """Epoch of the next micro-batch this feed will deliver."""
-        return int(self._position["epoch"])
+        return self._position.epoch
+
+    @property
+    def position(self) -> FeedPosition:
+        """Where this feed is: the plan cursor at the step in progress and the micro-batches of it delivered."""
+        return self._position
 
     def next_batch(self) -> dict[str, Any]:
         """The next batch of this rank (crossing epochs freely), its arrays as torch tensors.
@@ -192,8 +135,10 @@ class Feed:
         finally:
             pipeline.release(pending)
         done = pending.accum + 1
-        self._position, self._accum_done = (
-            (pending.state_after, 0) if done == self.grad_accum else (pending.state_before, done)
+        self._position = (
+            FeedPosition(pending.state_after, checked=True)
+            if done == self.grad_accum
+            else FeedPosition(pending.state_before, done, checked=True)
         )
         self._metrics.delivered(len(pending.slots), waited)
         return taken
@@ -208,15 +153,15 @@ class Feed:
                 world_size=self.world_size,
                 rank=self.rank,
                 grad_accum=self.grad_accum,
-                state=self._position,
-                skip=self._accum_done,
+                state=self._position.plan_state,
+                skip=self._position.accum_done,
                 pools=self._shared_pools,
                 handover=self._handover,
                 dealt=self._dealt,
             )
             self._finalizer.detach()
-            reader = self._reader if self._owns_reader else None
-            self._finalizer = weakref.finalize(self, _close_resources, [self._pipeline], reader, self._audit)
+            engine = self._engine if self._owns_engine else None
+            self._finalizer = weakref.finalize(self, _close_resources, [self._pipeline], engine, self._audit)
         return self._pipeline
 
     def _assemble(self, pending: PendingBatch) -> Taken:
@@ -275,38 +220,38 @@ class Feed:
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The feed's whole data state: the plan cursor at the step in progress and its progress."""
-        return {"format": FEED_STATE_FORMAT, "plan": dict(self._position), "accum_done": self._accum_done}
+        return self._position.to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` (strict); another world size than the state's is a resize."""
-        checked = feed_state(self.plan, state, world_size=self.world_size, grad_accum=self.grad_accum)
+        self.seek(FeedPosition.from_dict(state))
+
+    def seek(self, position: FeedPosition) -> None:
+        """Continue from ``position``: checked against this feed's plan unless it is a checked one (``checked``) of
+        this plan at this feed's topology; another topology is a resize (as `load_state_dict`)."""
+        here = (position.world_size, position.grad_accum) == (self.world_size, self.grad_accum)
+        if not (position.checked and here and position.of(self.plan)):
+            position = position.moved_to(self.plan, world_size=self.world_size, grad_accum=self.grad_accum)
         self._stop_pipeline()
-        self._position, self._accum_done = checked["plan"], checked["accum_done"]
+        self._position = position
 
     def resize(self, world_size: int, rank: int, grad_accum: int | None = None) -> None:
         """Deal the following steps to ``world_size`` ranks, this one being ``rank`` (at a step boundary)."""
         self._check_rank(world_size, rank)
-        if self._accum_done:
+        if self._position.accum_done:
             raise FeedError(
-                f"resize at a step boundary: {self._accum_done} of {self.grad_accum} micro-batches "
-                f"of step {self._position['step']} are delivered; finish the step first"
+                f"resize at a step boundary: {self._position.accum_done} of {self.grad_accum} micro-batches "
+                f"of step {self._position.step} are delivered; finish the step first"
             )
-        cursor = PlanCursor(self.plan, world_size=world_size, grad_accum=grad_accum or self.grad_accum)
-        cursor.load_state_dict(self._position)
+        position = self._position.moved_to(self.plan, world_size=world_size, grad_accum=grad_accum or self.grad_accum)
         self._stop_pipeline()
         self.world_size, self.rank, self.grad_accum = world_size, rank, grad_accum or self.grad_accum
-        self._position = cursor.state_dict()
+        self._position = position
 
     # -- lifecycle and metrics -------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
         """Per-modality buffers and decode latency, throughput, bytes read, bad samples, consumer wait."""
-        buffers = self._pipeline.pools.buffers() if self._pipeline is not None else {}
-        return {
-            **self._metrics.snapshot(buffers),
-            "cache": self._reader.source.stats(),
-            "storage_degraded": self._reader.source.degraded,
-            "read_ahead": self._reader.read_ahead(),
-        }
+        return self._engine.snapshot(self._pipeline.pools.buffers() if self._pipeline is not None else {})
 
     def _stop_pipeline(self) -> None:
         if self._pipeline is not None:
@@ -317,8 +262,8 @@ class Feed:
         """Stop every thread and release every resource (idempotent)."""
         self._closed = True
         self._stop_pipeline()
-        if self._owns_reader:
-            self._reader.close()
+        if self._owns_engine:
+            self._engine.close()
         self._finalizer.detach()
         if self._audit is not None:
             self._audit.close()
@@ -331,13 +276,13 @@ class Feed:
         self.close()
 
 
-def _close_resources(pipelines: list[Pipeline | None], reader: FieldReader | None, audit: IO[str] | None) -> None:
+def _close_resources(pipelines: list[Pipeline | None], engine: DecodeEngine | None, audit: IO[str] | None) -> None:
     """Safety net for a feed that is garbage-collected without ``close()``."""
     for pipeline in pipelines:
         if pipeline is not None:
             pipeline.close()
-    if reader is not None:
-        reader.close()
+    if engine is not None:
+        engine.close()
     if audit is not None and not audit.closed:
         audit.close()
 
@@ -353,6 +298,6 @@ class _EpochIterator:
         return self
 
     def __next__(self) -> dict[str, Any]:
-        if self._feed._accum_done == 0 and self._feed.epoch > self._epoch:
+        if self._feed.position.accum_done == 0 and self._feed.epoch > self._epoch:
             raise StopIteration
         return self._feed.next_batch()

@@ -29,7 +29,8 @@ from typing import Any
 
 from ...cache import is_local
 from .._errors import SourceError
-from ..decode import DecodeError, WorkerDied
+from .._modalities import MODALITIES
+from ..decode import DecodeError, WorkerDied, make_decoder
 from ..index import FieldLocation, IndexedSample, SampleIndex
 from ..plan import DealingStopped, MicroBatch, Plan, PlanCursor, Step
 from ._config import FeedConfig
@@ -39,8 +40,9 @@ from ._field_decoders import FieldDecoders
 from ._field_source import FieldSource, Loaded
 from ._healing import FeedError, SampleFailure
 from ._metrics import FeedMetrics
-from ._pools import DecodePools, PoolOwner
+from ._pools import DecodePools, PoolOwner, Task
 from ._remote import remote_decoders
+from ._remote_state import RemoteSlot
 from ._transforms import Transforms
 
 Handover = Callable[[MicroBatch], "list[dict[str, Any]] | None"]
@@ -89,22 +91,25 @@ def fields_to_decode(sample: IndexedSample) -> list[tuple[str, FieldLocation]]:
 class FieldReader:
     """Loads fields through the cache chain in I/O threads, decodes them (`FieldDecoders`) and runs the transforms.
 
-    ``decoders``: the built-in decoders merged with the user's, whose keys ``custom`` lists (modalities
-    or field names: see `_field_decoders`).
+    ``decoders``: the user's, by modality or field name (see `_field_decoders`); the built-in ones come
+    from ``config.decode``. Built by `DecodeEngine`.
     """
 
     def __init__(
         self,
         config: FeedConfig,
-        decoders: Mapping[str, Callable[..., Any]],
         metrics: FeedMetrics,
         namespace: str,
-        custom: frozenset[str] = frozenset(),
+        decoders: Mapping[str, Callable[..., Any]] | None = None,
     ) -> None:
         self.config, self.metrics = config, metrics
+        users = dict(decoders or {})
+        custom = frozenset(users)
+        # the built-ins first, once, from the decode config: a config they refuse starts nothing
+        chosen = {**{m: make_decoder(m, config.decode) for m in MODALITIES}, **users}
         self.transforms = Transforms(config.transforms, config.plan.seed)  # ValueError: a user step does not import
         self.source = FieldSource(config.cache, namespace, config.decode, custom)
-        self.decoders = FieldDecoders(config, decoders, custom)
+        self.decoders = FieldDecoders(config, chosen, custom)
         self.remote = remote_decoders(config, self.source, self.decoders, metrics)  # Ray actors (pools.*.remote)
         self._io = ThreadPoolExecutor(config.cache.remote.io_threads, thread_name_prefix="omnifeed-io")
 
@@ -120,11 +125,17 @@ class FieldReader:
         return self._io.submit(self.source.load, sample, location)
 
     def _value(
-        self, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None, where: str
+        self,
+        slot: Slot,
+        modality: str,
+        location: FieldLocation,
+        loading: Future[Loaded] | None,
+        where: str,
+        remote: RemoteSlot | None,
     ) -> tuple[Any, int]:
         """(the field's value after the transforms, the raw bytes read for it)."""
         sample = slot.sample
-        done = self.remote.decode(sample, location) if self.remote is not None and loading is None else None
+        done = self.remote.decode(sample, location, remote) if self.remote is not None and loading is None else None
         if done is not None:  # decoded by a Ray actor
             return self.transforms.apply(modality, location.name, sample.key, slot.epoch, done[0], where), done[1]
         kind, payload = loading.result() if loading is not None else self.source.load(sample, location)
@@ -137,9 +148,16 @@ class FieldReader:
             self.source.remember(sample, location, value)  # before the transforms: a random crop is never cached
         return self.transforms.apply(modality, location.name, sample.key, slot.epoch, value, where), read
 
-    def fill(self, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None = None) -> int:
-        """Decode and transform one field into ``slot`` (loading it now unless ``loading`` did); a failure is
-        recorded on the slot. Returns the bytes the value holds.
+    def fill(
+        self,
+        slot: Slot,
+        modality: str,
+        location: FieldLocation,
+        loading: Future[Loaded] | None = None,
+        remote: RemoteSlot | None = None,
+    ) -> int:
+        """Decode and transform one field into ``slot`` (loading it now unless ``loading`` did; on ``remote``'s actor
+        when given, else here); a failure is recorded on the slot. Returns the bytes the value holds.
         """
         if slot.failure is not None:  # another field of the sample failed: it will be replaced anyway
             return 0
@@ -154,7 +172,7 @@ class FieldReader:
             return 0
 
         try:
-            value, read = self._value(slot, modality, location, loading, where)
+            value, read = self._value(slot, modality, location, loading, where, remote)
         except CancelledError:  # the pipeline is closing
             return 0
         except DecodeError as exc:
@@ -320,11 +338,11 @@ class Pipeline:
 
     def _task(
         self, pending: PendingBatch, slot: Slot, modality: str, location: FieldLocation, loading: Future[Loaded] | None
-    ) -> Callable[[], int]:
-        def run() -> int:
+    ) -> Task:
+        def run(remote: RemoteSlot | None) -> int:
             nbytes = 0
             try:
-                nbytes = self.reader.fill(slot, modality, location, loading)
+                nbytes = self.reader.fill(slot, modality, location, loading, remote)
             finally:
                 with self._cond:
                     pending.nbytes[modality] = pending.nbytes.get(modality, 0) + nbytes

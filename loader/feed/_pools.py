@@ -33,7 +33,8 @@ without copies. A modality can decode in worker processes instead (``PoolConfig.
 the threads then hand tasks over and wait): the processes write decoded arrays into shared
 memory and the pipe carries headers (``decode/_scratch``), so the decode leaves this GIL.
 With ``remote`` (`_remote`), a modality also has one thread per remote slot of its Ray actors:
-it takes tasks like a local worker, but only while its actor is up.
+it takes tasks like a local worker, but only while its actor is up, and runs each with its
+``RemoteSlot`` (a local worker runs a task with None: decode here).
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ from ._config import FeedConfig, PoolConfig
 
 if TYPE_CHECKING:
     from ._remote import RemoteDecoders
+    from ._remote_state import RemoteSlot
 
-Task = Callable[[], int]
-"""A unit of work: fetch and decode one field, store the result, return the decoded bytes."""
+Task = Callable[["RemoteSlot | None"], int]
+"""A unit of work: fetch and decode one field (on the remote slot given; None: here), store it, return its bytes."""
 
 
 class PoolOwner:
@@ -210,7 +212,7 @@ class DecodePools:
                 if owner.closed:
                     return
                 owner._running += 1
-            self._run(owner, modality, task)
+            self._run(owner, modality, task, None)
             return
         with self._lock:
             if owner.closed:
@@ -268,7 +270,7 @@ class DecodePools:
                     picked = self._pick(modalities)
                 if picked is None:
                     return
-            self._run(*picked)
+            self._run(*picked, None)
 
     def _work_remote(self, remote: RemoteDecoders, modality: str, slot: int) -> None:
         """A remote slot: takes the modality's tasks only while its Ray actor is up, and runs them there."""
@@ -281,13 +283,12 @@ class DecodePools:
                     self._work_ready[modality].wait(0.5)
                     picked = self._pick((modality,))
             if picked is not None:
-                with remote.serving(modality, slot):
-                    self._run(*picked)
+                self._run(*picked, remote.slot(modality, slot))
 
-    def _run(self, owner: PoolOwner, modality: str, task: Task) -> None:
+    def _run(self, owner: PoolOwner, modality: str, task: Task, remote: RemoteSlot | None) -> None:
         started = time.perf_counter()
         try:
-            nbytes = task()
+            nbytes = task(remote)
         except BaseException as exc:  # noqa: BLE001  reported to the owner's consumer, who re-raises it
             owner._on_error(exc)
             if self._observe is not None:

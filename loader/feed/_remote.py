@@ -5,7 +5,7 @@
     DecodePools ── local threads ───────────────┐  each takes the modality's next task when it is free:
                └─ remote slots (actor × tasks) ─┤  the task goes to whichever side has room
                      │ wait_slot: only while its actor is up
-                     ▼ serving(): the task runs in this thread, FieldReader asks `decode` ...
+                     ▼ the task runs in this thread, given its RemoteSlot: FieldReader asks `decode` ...
     RemoteDecoders.decode ── (sample, field location[, bytes]) ──▶ DecodeActor (reads, decodes)
                           ◀── decoded arrays (Ray's object store) ── or None: decode here
     controller thread: connect (retry while unreachable), start/replace actors, grow/shrink by starvation
@@ -22,8 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,13 +37,13 @@ from ._metrics import FeedMetrics
 from ._remote_actor import DecodeActor
 from ._remote_state import RemoteActor as _Actor
 from ._remote_state import RemoteModality as _Modality
+from ._remote_state import RemoteSlot
 
 log = logging.getLogger(__name__)
 
 _TICK_S = 0.5  # the controller's period
 _STUCK_DEADLINES = 3  # an actor that has not answered within this many deadlines is replaced
 _BUSY_SHARE = 0.75  # of the remote slots busy, with tasks queued: starved
-_lease = threading.local()  # (RemoteDecoders, modality, actor index) while a remote slot runs a task
 
 
 def _writable(value: Any) -> Any:
@@ -118,23 +117,18 @@ class RemoteDecoders:
         ok = self._connected and index < mod.target and actor is not None and actor.usable and not actor.overdue
         return actor if ok else None
 
-    @contextmanager
-    def serving(self, modality: str, slot: int) -> Iterator[None]:
-        """While the calling pool thread runs a task, `decode` sends its field to this slot's actor."""
-        _lease.held = (self, modality, slot // self._mods[modality].config.tasks_per_worker)
-        try:
-            yield
-        finally:
-            _lease.held = None
+    def slot(self, modality: str, slot: int) -> RemoteSlot:
+        """Where remote slot ``slot`` of ``modality`` decodes: the pool thread passes it down with each task it runs."""
+        return RemoteSlot(self, modality, slot // self._mods[modality].config.tasks_per_worker)
 
-    def decode(self, sample: IndexedSample, location: FieldLocation) -> tuple[Any, int] | None:
-        """(decoded value, bytes read here) from this thread's actor; None: decode the field here instead."""
-        held = getattr(_lease, "held", None)
-        if held is None or held[0] is not self or held[1] != location.modality or self._custom(location):
+    def decode(self, sample: IndexedSample, location: FieldLocation, slot: RemoteSlot | None) -> tuple[Any, int] | None:
+        """(decoded value, bytes read here) from ``slot``'s actor; None: decode the field here instead (no slot: a
+        local worker's task)."""
+        if slot is None or slot.decoders is not self or slot.modality != location.modality or self._custom(location):
             return None
-        mod = self._mods[held[1]]
+        mod = self._mods[slot.modality]
         with self._cond:
-            actor = self._usable(held[1], held[2])
+            actor = self._usable(slot.modality, slot.actor)
             if actor is None:
                 return None
             actor.busy += 1

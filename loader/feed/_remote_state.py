@@ -1,4 +1,5 @@
-"""The remote decoders' bookkeeping: one Ray actor as the controller sees it, and a modality's actors and counters."""
+"""The remote decoders' bookkeeping: one Ray actor as the controller sees it, a modality's actors and counters, and
+the remote slot a pool thread passes down with its task."""
 
 from __future__ import annotations
 
@@ -42,3 +43,12 @@ class RemoteModality:
     actor_read_bytes: int = 0
     resized: int = 0
     round_trip: deque[float] = field(default_factory=lambda: deque(maxlen=_LATENCY_WINDOW))
+
+
+@dataclass(frozen=True)
+class RemoteSlot:
+    """Where a pool thread's task decodes remotely: actor ``actor`` of ``modality`` of ``decoders`` (its slot's)."""
+
+    decoders: object  # the RemoteDecoders that made it (typed loosely: it imports this module)
+    modality: str
+    actor: int

@@ -16,21 +16,20 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Mapping
 from typing import IO, Any
 
+from ..feed import FeedPosition
 from ..plan import open_audit_log
 
 
-def resume_marker(attempt: str, state: Mapping[str, Any]) -> dict[str, Any]:
-    """The audit record that opens ``attempt`` at ``state`` (a feed state): where its deliveries resume."""
-    plan = state["plan"]
+def resume_marker(attempt: str, position: FeedPosition) -> dict[str, Any]:
+    """The audit record that opens ``attempt`` at ``position``: where its deliveries resume."""
     return {
         "resume": attempt,
-        "epoch": plan["epoch"],
-        "step": plan["step"],
-        "accum_done": state["accum_done"],
-        "topology_version": plan["topology_version"],
+        "epoch": position.epoch,
+        "step": position.step,
+        "accum_done": position.accum_done,
+        "topology_version": position.topology_version,
         "keys": [],
     }
 
@@ -43,13 +42,13 @@ class AttemptLog:
         self._lock = threading.Lock()
         self._attempts: dict[str, tuple[str, bool]] = {}  # checkpoint digest -> (its latest attempt, crashed)
 
-    def join(self, attempt: str | None, resume: str | None, state: dict[str, Any]) -> str | None:
+    def join(self, attempt: str | None, resume: str | None, position: FeedPosition) -> str | None:
         """The attempt a client's deliveries belong to.
 
         ``attempt``: the one the client already knows (it reconnects, to this service or a
         restarted one): kept. Else ``resume``: the digest of the checkpoint it just loaded; it
         joins the attempt that loaded it, unless that attempt crashed; else a new attempt opens
-        and a resume marker at ``state`` (the client's feed state) is logged. None: neither.
+        and a resume marker at ``position`` (the client's) is logged. None: neither.
         """
         with self._lock:
             if attempt is not None or resume is None:
@@ -59,7 +58,7 @@ class AttemptLog:
                 return current[0]
             opened = f"{resume}-{uuid.uuid4().hex[:8]}"
             self._attempts[resume] = (opened, False)
-            self._write(resume_marker(opened, state))
+            self._write(resume_marker(opened, position))
             return opened
 
     def crashed(self, attempt: str) -> None:

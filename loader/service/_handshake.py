@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import StateMismatchError
-from ..feed import FeedError, feed_state
-from ..plan import Plan, steps_left_in_epoch
+from ..feed import FeedError, FeedPosition
+from ..plan import Plan
 from ._config import ServiceConfig
 from ._protocol import PROTOCOL, RequestError
 
@@ -35,7 +35,7 @@ class Hello:
     dp_rank: int
     dp_world_size: int
     grad_accum: int
-    state: dict[str, Any]  # the client's feed state at this topology (the plan's start when it sent none)
+    position: FeedPosition  # the client's, checked and moved to this topology (the plan's start when it sent none)
     token: str  # the client's own id, the same across its reconnections
     resume: str | None  # digest of the checkpoint it loaded; "start" for a job starting from scratch
     attempt: str | None  # the attempt a service named in an earlier welcome
@@ -101,7 +101,7 @@ class Handshake:
                 "connections at most (max_clients in the service config)",
             )
         self._check_step(dp_world, accum)
-        state = self._state(message.get("state"), dp_world, accum)
+        position = self._position(message.get("state"), dp_world, accum)
         token = message.get("token", default_token)
         if not isinstance(token, str) or not 0 < len(token) <= 64:
             raise RequestError("protocol", "hello field 'token' must be a string of 1 to 64 characters")
@@ -112,15 +112,14 @@ class Handshake:
         resume = message.get("resume")
         if resume is None and message.get("state") is None:
             resume = "start"  # a job starting from scratch: as if it loaded the plan's first position
-        return Hello(rank, world, dp_rank, dp_world, accum, state, token, resume, message.get("attempt"))
+        return Hello(rank, world, dp_rank, dp_world, accum, position, token, resume, message.get("attempt"))
 
     def length(self, message: Mapping[str, Any]) -> int:
         """Micro-batches a data-parallel rank at ``state`` receives until its epoch is delivered (``len(FeedClient)``)."""
         dp_world = _int(message, "dp_world_size", 1, MAX_WORLD)
         accum = _int(message, "grad_accum", 1, MAX_GRAD_ACCUM)
         self._check_step(dp_world, accum)
-        state = self._state(message.get("state"), dp_world, accum)
-        return steps_left_in_epoch(self.plan, state["plan"]) * accum - int(state["accum_done"])
+        return self._position(message.get("state"), dp_world, accum).micro_batches_left(self.plan)
 
     def _check_step(self, dp_world: int, accum: int) -> None:
         if dp_world * accum > self.max_step:
@@ -131,9 +130,12 @@ class Handshake:
                 f"per step ({self._max_step_why}); lower the data-parallel size or the accumulation",
             )
 
-    def _state(self, state: Any, dp_world: int, accum: int) -> dict[str, Any]:
+    def _position(self, state: Any, dp_world: int, accum: int) -> FeedPosition:
+        """The hello's state (wire form) read, checked and moved to this topology: one plan cursor, once."""
         try:
-            return feed_state(self.plan, state, world_size=dp_world, grad_accum=accum)
+            if state is None:
+                return FeedPosition.start(self.plan, world_size=dp_world, grad_accum=accum)
+            return FeedPosition.from_dict(state).moved_to(self.plan, world_size=dp_world, grad_accum=accum)
         except StateMismatchError as exc:
             raise RequestError("fingerprint", str(exc)) from None
         except (ValueError, TypeError, KeyError, FeedError) as exc:

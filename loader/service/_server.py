@@ -7,8 +7,8 @@
            ──next(released batches)──▶ the batch whose start is the client's cursor
            ◀──batch(header; a segment's descriptor the first time)── tensors are views of shared memory
 
-One `FieldReader` (cache tiers, I/O threads) and one set of decode workers serve every
-stream. Each client holds its own cursor (the feed state after the last batch it yielded), so
+One `DecodeEngine` (field reader: cache tiers, I/O threads, decoders; decode workers) serves
+every stream. Each client holds its own cursor (the feed state after the last batch it yielded), so
 a restarted service, or a restarted stream, continues every client exactly where it was.
 
 `FeedService` composes small owners, each with one job::
@@ -42,9 +42,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .._modalities import MODALITIES
-from ..decode import make_decoder
-from ..feed import DealtSteps, DecodePools, FeedMetrics, FieldReader, SharedResources, with_index_tokenizer
+from ..feed import DealtSteps, DecodeEngine
 from ..index import SampleIndex
 from ..plan import Plan
 from ._attempts import AttemptLog
@@ -68,17 +66,21 @@ class FeedService:
         self.attempts = AttemptLog(config.audit_log)
         self.index = SampleIndex(config.index)
         # the decoder tokenizes as the index counted (refused at start when set otherwise)
-        self.config = config = config.model_copy(update={"feed": with_index_tokenizer(config.feed, self.index)})
-        self.plan = Plan.from_index(self.index, config.feed.plan)
-        self.handshake = Handshake(self.plan, config)
-        self.feed_metrics = FeedMetrics()
-        decoders = {m: make_decoder(m, config.feed.decode) for m in MODALITIES}
-        self.reader = FieldReader(config.feed, decoders, self.feed_metrics, self.index.fingerprint)
-        self.pools = DecodePools(config.feed, _pool_error, remote=self.reader.remote)
+        self.engine = engine = DecodeEngine.build(self.index, config.feed, on_error=_pool_error)
+        self.config = config = config.model_copy(update={"feed": engine.config})
+        try:
+            self.plan = Plan.from_index(self.index, config.feed.plan)
+            self.handshake = Handshake(self.plan, config)
+        except BaseException:
+            engine.close()
+            raise
+        self.feed_metrics, self.reader = engine.metrics, engine.reader
+        assert engine.pools is not None
+        self.pools = engine.pools
         self.ledger = BatchLedger(self.index)
         self._resizes = Resizes()
         self.dealt = DealtSteps(self.plan)  # each step dealt once for every stream
-        shared = SharedResources(self.plan, self.reader, self.feed_metrics, self.pools, self.ledger.take, self.dealt)
+        shared = engine.shared(self.plan, self.ledger.take, self.dealt)
         context = StreamContext(
             self.index,
             config.feed,
@@ -151,8 +153,7 @@ class FeedService:
             thread.join(timeout=10)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
-        self.pools.close()
-        self.reader.close()
+        self.engine.close()
         self.attempts.close()
         if self._listener is not None:
             self._listener.remove()
@@ -230,20 +231,20 @@ class FeedService:
 
     def _hello(self, connection: Connection, message: dict[str, Any]) -> dict[str, Any]:
         hello = self.handshake.hello(message, f"connection-{connection.id}")
-        stream = self.streams.open(hello.key, hello.group, hello.state)
+        stream = self.streams.open(hello.key, hello.group, hello.position)
         connection.token = hello.token
         if hello.attempt is None and hello.resume is not None:
             self._record_gone_clients()
-        connection.attempt = since = self.attempts.join(hello.attempt, hello.resume, hello.state)
+        connection.attempt = since = self.attempts.join(hello.attempt, hello.resume, hello.position)
         with stream.cond:
-            stream.attach(connection.id, hello.token, hello.rank, hello.state, since, hello.group)
+            stream.attach(connection.id, hello.token, hello.rank, hello.position, since, hello.group)
         connection.stream = stream
         return {
             "op": "welcome",
             "protocol": PROTOCOL,
             "client": connection.id,
             "service": self.instance,
-            "state": hello.state,
+            "state": hello.position.to_dict(),
             "index_fingerprint": self.plan.index_fingerprint,
             "config_fingerprint": self.plan.config_fingerprint,
             "num_samples": self.index.num_samples,
@@ -306,10 +307,7 @@ class FeedService:
                 "clients": len(clients),
                 **streams,
             },
-            **self.feed_metrics.snapshot(self.pools.buffers()),
-            "cache": self.reader.source.stats(),
-            "storage_degraded": self.reader.source.degraded,
-            "read_ahead": self.reader.read_ahead(),
+            **self.engine.snapshot(self.pools.buffers()),
             "clients": clients,
             "resizes": self._resizes.count,
             "resize_seconds": self._resizes.seconds,

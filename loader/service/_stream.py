@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..feed import Feed, FeedConfig, SharedResources, Taken, collate, uncollate
+from ..feed import Feed, FeedConfig, FeedPosition, SharedResources, Taken, collate, uncollate
 from ..index import SampleIndex
 from ._arena import Segment, SegmentWriter, decode_arrays, encode_batch
 from ._protocol import RequestError, encode
@@ -46,22 +46,13 @@ class StreamContext:
     lend: Callable[[Ready, Stream], None]
 
 
-def _order(state: Mapping[str, Any]) -> tuple[int, int]:
-    """Where a feed state is in its stream: (steps dealt, micro-batches of the step delivered)."""
-    return int(state["plan"]["step"]), int(state["accum_done"])
-
-
-def _same(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    return a["accum_done"] == b["accum_done"] and a["plan"] == b["plan"]
-
-
 @dataclass(eq=False)
 class Ready:
     """A collated batch in a segment: where it starts and ends in the stream, who took and still holds it."""
 
     seq: int
-    before: dict[str, Any]
-    after: dict[str, Any]
+    before: FeedPosition
+    after: FeedPosition
     segment: Segment
     frame: bytes
     record: dict[str, Any]
@@ -78,7 +69,7 @@ class _Attached:
     client: int
     token: str
     rank: int
-    position: dict[str, Any]
+    position: FeedPosition
     since: str | None = None  # the attempt its deliveries belong to (they are tagged with it)
     group: int = 1  # the peer group it says it belongs to (world size / data-parallel size)
     batches: int = 0
@@ -89,19 +80,19 @@ class _Attached:
 class Stream:
     """One data-parallel rank's batches: a feed, a producer thread, ready batches in shared memory."""
 
-    def __init__(self, context: StreamContext, key: tuple[int, int, int], group: int, start: dict[str, Any]) -> None:
+    def __init__(self, context: StreamContext, key: tuple[int, int, int], group: int, start: FeedPosition) -> None:
         self.context, self.key, self.group = context, key, group
         dp_world, dp_rank, accum = key
         self.feed = Feed(
             context.index, context.config, world_size=dp_world, rank=dp_rank, grad_accum=accum, shared=context.shared
         )
         self.resize_started: float | None = None  # set when this stream serves a new topology
-        self.feed.load_state_dict(start)
+        self.feed.seek(start)  # checked by the handshake: no plan cursor is rebuilt
         self.cond = threading.Condition()
         self.ready: list[Ready] = []
         self.clients: dict[int, _Attached] = {}
-        self.head = self.feed.state_dict()  # where the producer continues
-        self.restart_to: dict[str, Any] | None = None
+        self.head = self.feed.position  # where the producer continues
+        self.restart_to: FeedPosition | None = None
         self.error: BaseException | None = None
         self.closed = False
         self.idle_since: float | None = time.monotonic()
@@ -151,7 +142,7 @@ class Stream:
                         continue
                     before = self.head
                 taken = self.feed.take()
-                after = self.feed.state_dict()
+                after = self.feed.position
                 with self.cond:
                     if self.closed:
                         return
@@ -166,15 +157,15 @@ class Stream:
                     self.error = exc
                 self.cond.notify_all()
 
-    def _restart(self, state: dict[str, Any]) -> None:
-        """Continue production at ``state`` (called by the producer, holding the lock)."""
+    def _restart(self, position: FeedPosition) -> None:
+        """Continue production at ``position`` (called by the producer, holding the lock)."""
         self.restart_to = None
         for ready in list(self.ready):
             self._drop(ready)
-        self.feed.load_state_dict(state)
-        self.head = self.feed.state_dict()
+        self.feed.seek(position)
+        self.head = self.feed.position
 
-    def _publish(self, taken: Taken, before: dict[str, Any], after: dict[str, Any], segment: Segment) -> None:
+    def _publish(self, taken: Taken, before: FeedPosition, after: FeedPosition, segment: Segment) -> None:
         writer = SegmentWriter(segment)
         batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
         if writer.overflowed:
@@ -186,7 +177,14 @@ class Stream:
             batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
         seq = self.context.next_seq()
         layout, rest = encode_batch(batch, segment)
-        message = {"op": "batch", "seq": seq, "segment": segment.name, "layout": layout, "batch": rest, "state": after}
+        message = {
+            "op": "batch",
+            "seq": seq,
+            "segment": segment.name,
+            "layout": layout,
+            "batch": rest,
+            "state": after.to_dict(),
+        }
         frame = encode(message)
         del batch, message, rest
         with self.cond:
@@ -195,24 +193,24 @@ class Stream:
             self.cond.notify_all()
 
     # -- clients ---------------------------------------------------------------------------
-    def servable(self, state: dict[str, Any]) -> bool:
-        """Whether ``state`` is ahead of or at a batch this stream still has (holding the lock)."""
+    def servable(self, position: FeedPosition) -> bool:
+        """Whether ``position`` is ahead of or at a batch this stream still has (holding the lock)."""
         if self.restart_to is not None:
-            return _order(state) >= _order(self.restart_to)
-        earliest = min((_order(b.before) for b in self.ready), default=_order(self.head))
-        if _order(state) < earliest:
+            return position.key >= self.restart_to.key
+        earliest = min((b.before.key for b in self.ready), default=self.head.key)
+        if position.key < earliest:
             return False
-        if any(_same(b.before, state) for b in self.ready) or _same(self.head, state):
+        if any(b.before == position for b in self.ready) or self.head == position:
             return True
-        return _order(state) > _order(self.head)
+        return position.key > self.head.key
 
     def attach(
-        self, client: int, token: str, rank: int, state: dict[str, Any], since: str | None, group: int = 1
+        self, client: int, token: str, rank: int, position: FeedPosition, since: str | None, group: int = 1
     ) -> None:
-        """Serve ``client`` (of a peer group of ``group``) from ``state``; restart production there when this stream is
-        past it (holding the lock)."""
-        if not self.servable(state):
-            later = [c for c in self.clients.values() if _order(c.position) < _order(state)]
+        """Serve ``client`` (of a peer group of ``group``) from ``position``; restart production there when this stream
+        is past it (holding the lock)."""
+        if not self.servable(position):
+            later = [c for c in self.clients.values() if c.position.key < position.key]
             if later:
                 raise RequestError(
                     "position",
@@ -220,8 +218,8 @@ class Stream:
                     "position that does not lead to yours; tensor-parallel peers must resume from "
                     "the same checkpoint",
                 )
-            self.restart_to = state
-        self.clients[client] = _Attached(client, token, rank, state, since, group=group)
+            self.restart_to = position
+        self.clients[client] = _Attached(client, token, rank, position, since, group=group)
         self._regroup()
         self.idle_since = None
         self.cond.notify_all()
@@ -266,7 +264,7 @@ class Stream:
                     raise RequestError("feed", f"the feed stopped: {type(self.error).__name__}: {self.error}")
                 if self.closed or stopping.is_set():
                     raise RequestError("closing", "the service is shutting down")
-                found = next((b for b in self.ready if _same(b.before, attached.position)), None)
+                found = next((b for b in self.ready if b.before == attached.position), None)
                 if found is not None:
                     break
                 self.cond.wait(0.5)
@@ -292,7 +290,7 @@ class Stream:
 
     def _done_with(self, ready: Ready) -> bool:
         """No client of the group needs this batch any more (holders aside)."""
-        past = all(_order(c.position) > _order(ready.before) for c in self.clients.values())
+        past = all(c.position.key > ready.before.key for c in self.clients.values())
         return past and (len(self.clients) >= self.group or len(ready.takers) >= self.group)
 
     def _collect(self) -> None:

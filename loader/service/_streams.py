@@ -16,6 +16,7 @@ import threading
 import time
 from typing import Any
 
+from ..feed import FeedPosition
 from ._ledger import BatchLedger
 from ._protocol import RequestError
 from ._stream import Stream, StreamContext
@@ -63,8 +64,8 @@ class StreamTable:
         self._streams: dict[Key, Stream] = {}
         self._topology: tuple[int, int] | None = None  # (data-parallel size, accumulation) of the newest stream
 
-    def open(self, key: Key, group: int, state: dict[str, Any]) -> Stream:
-        """The stream of ``key``, created at ``state`` for a peer group of ``group`` if there is none (or it closed)."""
+    def open(self, key: Key, group: int, start: FeedPosition) -> Stream:
+        """The stream of ``key``, created at ``start`` for a peer group of ``group`` if there is none (or it closed)."""
         dp_world, _, accum = key
         with self._changing:  # a topology change: the old streams hand over before any new stream plans ahead
             with self._lock:
@@ -92,7 +93,7 @@ class StreamTable:
                                 f"{dp_world * accum} more, past max_micro_batches_dealt ({self._max_dealt})"
                             )
                         )
-                    stream = self._streams[key] = Stream(self._context, key, group, state)
+                    stream = self._streams[key] = Stream(self._context, key, group, start)
                     stream.resize_started = self._resizes.started
             for gone in evicted:
                 threading.Thread(target=gone.close, name="omnifeed-evict", daemon=True).start()

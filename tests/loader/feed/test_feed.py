@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from omnifeed.loader import (
-    MODALITIES,
     Feed,
     FeedConfig,
     FeedError,
@@ -21,10 +20,7 @@ from omnifeed.loader import (
     SampleIndex,
     build_index,
 )
-from omnifeed.loader.decode import make_decoder
-from omnifeed.loader.feed import SharedResources
-from omnifeed.loader.feed._metrics import FeedMetrics
-from omnifeed.loader.feed._pipeline import FieldReader
+from omnifeed.loader.feed import DecodeEngine
 from omnifeed.loader.plan import Plan
 from omnifeed.loader.plan._audit import read_delivery_logs, verify_coverage
 
@@ -252,11 +248,8 @@ def test_take_is_the_next_micro_batch_before_collation(index: SampleIndex) -> No
 
 
 def test_feeds_on_shared_resources_deliver_what_their_own_would_and_leave_them_open(index: SampleIndex) -> None:
-    metrics = FeedMetrics()
-    reader = FieldReader(
-        config(), {m: make_decoder(m, config().decode) for m in MODALITIES}, metrics, index.fingerprint
-    )
-    shared = SharedResources(Plan.from_index(index, config().plan), reader, metrics)
+    engine = DecodeEngine.build(index, config(), with_pools=False)
+    shared = engine.shared(Plan.from_index(index, config().plan))
     try:
         for rank in range(2):  # one after the other, on the same reader
             with (
@@ -267,8 +260,8 @@ def test_feeds_on_shared_resources_deliver_what_their_own_would_and_leave_them_o
                 assert [feed.next_batch()["__key__"] for _ in range(2)] == [
                     own.next_batch()["__key__"] for _ in range(2)
                 ]
-        assert metrics.snapshot({})["batches"] == 4  # counted in the owner's metrics
+        assert engine.metrics.snapshot({})["batches"] == 4  # counted in the owner's metrics
         with pytest.raises(ValueError, match="shared field reader"):
             Feed(index, config(), shared=shared, decoders={"text": lambda data, key: data})
     finally:
-        reader.close()
+        engine.close()

@@ -35,7 +35,7 @@ def numpy_batches(feed: Feed, count: int | None = None) -> list[dict[str, Any]]:
     """Collated numpy batches (what the service writes into its segments), ``count`` of them or the epoch."""
     out: list[dict[str, Any]] = []
     while count is None or len(out) < count:
-        if count is None and feed._accum_done == 0 and out and feed.epoch > out[0]["__info__"]["epoch"]:  # noqa: SLF001
+        if count is None and feed.position.accum_done == 0 and out and feed.epoch > out[0]["__info__"]["epoch"]:
             break
         taken = feed.take()
         out.append(collate(taken.samples, taken.keys, taken.info))

@@ -12,10 +12,9 @@ import torch
 
 from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, PlanCursor, PoolConfig, SampleIndex, build_index
 from omnifeed.loader._modalities import FIELD_MODALITIES
-from omnifeed.loader.decode._registry import make_decoder
+from omnifeed.loader.feed import DecodeEngine
 from omnifeed.loader.feed._collate import collate
-from omnifeed.loader.feed._metrics import FeedMetrics
-from omnifeed.loader.feed._pipeline import FieldReader, Pipeline
+from omnifeed.loader.feed._pipeline import Pipeline
 from omnifeed.loader.feed._pools import DecodePools, PoolOwner
 from omnifeed.loader.feed._torch_batch import to_torch
 from omnifeed.loader.plan._plan import Plan
@@ -59,10 +58,10 @@ def task(
     log: list[Any] | None = None,
     name: object = None,
     started: threading.Event | None = None,
-) -> Callable[[], int]:
+) -> Callable[[object], int]:
     """A small task: waits for ``gate`` (if any), logs (name, thread), sets ``done``, returns ``nbytes``."""
 
-    def run() -> int:
+    def run(remote: object) -> int:
         if started is not None:
             started.set()
         if gate is not None:
@@ -135,7 +134,7 @@ def test_a_failing_task_reports_to_its_own_owner_only() -> None:
     pools = DecodePools(text_only(), logged)
     a, b = pools.owner(errors_a), pools.owner(errors_b)
 
-    def broken() -> int:
+    def broken(remote: object) -> int:
         raise ValueError("bad field")
 
     assert admits(a, 1)
@@ -263,9 +262,9 @@ def test_pipelines_sharing_pools_and_a_reader_deliver_what_separate_feeds_do(ind
             expected.append([feed.next_batch() for _ in range(5)])
     before = set(threading.enumerate())
     plan = Plan.from_index(index, config.plan)
-    decoders = {m: make_decoder(m, config.decode) for m in ("text", "image", "video", "audio")}
-    reader = FieldReader(config, decoders, FeedMetrics(), index.fingerprint)
-    pools = DecodePools(config)
+    engine = DecodeEngine.build(index, config)
+    reader, pools = engine.reader, engine.pools
+    assert pools is not None
     start = PlanCursor(plan, world_size=2, grad_accum=1).state_dict()
     pipelines = [
         Pipeline(index, plan, config, reader, world_size=2, rank=rank, grad_accum=1, state=start, skip=0, pools=pools)
@@ -285,8 +284,7 @@ def test_pipelines_sharing_pools_and_a_reader_deliver_what_separate_feeds_do(ind
     finally:
         for pipeline in pipelines:
             pipeline.close()
-        pools.close()
-        reader.close()
+        engine.close()
     assert all(same_batch(a, b) for a, b in zip(got[0], expected[0][:3], strict=True))
     assert all(same_batch(a, b) for a, b in zip(got[1], expected[1], strict=True))
     assert set(threading.enumerate()) - before == set()

@@ -20,6 +20,7 @@ from omnifeed.loader.feed._pools import DecodePools
 from omnifeed.loader.feed._remote import RemoteDecoders
 from omnifeed.loader.feed._remote_actor import DecodeActor
 from omnifeed.loader.feed._remote_config import RemoteConfig
+from omnifeed.loader.feed._remote_state import RemoteSlot
 from omnifeed.loader.plan._audit import verify_coverage
 
 ray = pytest.importorskip("ray")
@@ -199,8 +200,8 @@ def test_the_pool_grows_while_its_modality_starves_and_shrinks_when_idle(
         wait_for_actors(remote)
         pools = DecodePools(config, remote=remote)
 
-        def task() -> int:
-            if remote.decode(sample, location) is None:  # a local worker: as slow as the actor
+        def task(slot: RemoteSlot | None) -> int:
+            if remote.decode(sample, location, slot) is None:  # a local worker: as slow as the actor
                 time.sleep(0.2)
             return 0
 

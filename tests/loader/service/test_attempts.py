@@ -9,15 +9,12 @@ import stat
 from pathlib import Path
 from typing import Any
 
+from omnifeed.loader.feed import FeedPosition
 from omnifeed.loader.service._attempts import AttemptLog
 
 
-def state(step: int) -> dict[str, Any]:
-    return {
-        "format": "omnifeed.feed-state/1",
-        "accum_done": 0,
-        "plan": {"epoch": 0, "step": step, "topology_version": 0},
-    }
+def state(step: int) -> FeedPosition:
+    return FeedPosition({"epoch": 0, "step": step, "topology_version": 0})
 
 
 def lines(path: Path) -> list[dict[str, Any]]:

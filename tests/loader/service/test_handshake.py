@@ -42,13 +42,13 @@ def test_a_hello_becomes_a_typed_hello(handshake: Handshake) -> None:
     checked = handshake.hello(hello(rank=5, world_size=8, dp_rank=1, dp_world_size=2, grad_accum=3), "connection-1")
     assert (checked.key, checked.group, checked.rank) == ((2, 1, 3), 4, 5)
     assert checked.token == "connection-1" and checked.resume == "start" and checked.attempt is None
-    assert checked.state["accum_done"] == 0 and checked.state["plan"]["step"] == 0
+    assert checked.position.key == (0, 0) and checked.position.to_dict()["format"] == "omnifeed.feed-state/1"
     kept = handshake.hello(
         hello(
             token="me",
             resume="digest",
             attempt="digest-1",
-            state=checked.state,
+            state=checked.position.to_dict(),
             world_size=2,
             dp_world_size=2,
             dp_rank=1,

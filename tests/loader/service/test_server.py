@@ -18,6 +18,7 @@ import pytest
 from feed_service import ServiceProcess, short_socket_dir, write_config
 
 from omnifeed.loader import FeedConfig, OmnifeedError, PlanConfig
+from omnifeed.loader.feed import FeedPosition
 from omnifeed.loader.service._config import ServiceConfig
 from omnifeed.loader.service._protocol import MAX_REQUEST_BYTES, PROTOCOL, receive, request_metrics
 from omnifeed.loader.service._server import FeedService
@@ -297,9 +298,8 @@ def test_a_client_that_says_bye_while_a_peer_says_hello_is_not_taken_for_a_crash
     )
     ours, theirs = socket.socketpair()
     try:
-        attempt = service.attempts.join(
-            None, "checkpoint-digest", {"plan": {"epoch": 0, "step": 0, "topology_version": 0}, "accum_done": 0}
-        )
+        at_start = FeedPosition({"epoch": 0, "step": 0, "topology_version": 0})
+        attempt = service.attempts.join(None, "checkpoint-digest", at_start)
         leaving = Connection(1, ours, attempt=attempt)
         service._connections[1] = leaving
 
@@ -309,7 +309,7 @@ def test_a_client_that_says_bye_while_a_peer_says_hello_is_not_taken_for_a_crash
 
         monkeypatch.setattr(_server, "peer_gone", bye_lands_now)
         service._record_gone_clients()
-        assert service.attempts.join(None, "checkpoint-digest", {}) == attempt  # still the same attempt
+        assert service.attempts.join(None, "checkpoint-digest", at_start) == attempt  # still the same attempt
     finally:
         ours.close()
         theirs.close()

@@ -15,12 +15,7 @@ from typing import Any
 import pytest
 
 from omnifeed.loader import MODALITIES, Feed, FeedConfig, PlanConfig
-from omnifeed.loader.decode import make_decoder
-from omnifeed.loader.feed import SharedResources
-from omnifeed.loader.feed._feed import feed_state
-from omnifeed.loader.feed._metrics import FeedMetrics
-from omnifeed.loader.feed._pipeline import FieldReader
-from omnifeed.loader.feed._pools import DecodePools
+from omnifeed.loader.feed import DecodeEngine, FeedPosition
 from omnifeed.loader.index import SampleIndex
 from omnifeed.loader.plan import Plan
 from omnifeed.loader.service._protocol import RequestError, decode
@@ -41,14 +36,12 @@ class Recorded:
 def parts(index_dir: Path) -> Iterator[tuple[StreamContext, Recorded]]:
     index = SampleIndex(index_dir)
     plan = Plan.from_index(index, CONFIG.plan)
-    metrics = FeedMetrics()
-    reader = FieldReader(CONFIG, {m: make_decoder(m, CONFIG.decode) for m in MODALITIES}, metrics, index.fingerprint)
-    pools = DecodePools(CONFIG)
+    engine = DecodeEngine.build(index, CONFIG)
     seen = Recorded()
     context = StreamContext(
         index,
         CONFIG,
-        SharedResources(plan, reader, metrics, pools),
+        engine.shared(plan),
         prefetch_batches=2,
         next_seq=itertools.count().__next__,
         record_resize=lambda started: None,
@@ -56,19 +49,18 @@ def parts(index_dir: Path) -> Iterator[tuple[StreamContext, Recorded]]:
         lend=lambda ready, stream: seen.lent.append(ready),
     )
     yield context, seen
-    pools.close()
-    reader.close()
+    engine.close()
 
 
 def start(context: StreamContext, key: tuple[int, int, int] = (1, 0, 1), group: int = 1) -> Stream:
-    return Stream(context, key, group, feed_state(context.shared.plan, None, world_size=key[0], grad_accum=key[2]))
+    return Stream(context, key, group, FeedPosition.start(context.shared.plan, world_size=key[0], grad_accum=key[2]))
 
 
 def take(stream: Stream, client: int) -> Ready:
     return stream.take(client, threading.Event())
 
 
-def attach(stream: Stream, client: int, state: dict[str, Any] | None = None, group: int = 1) -> None:
+def attach(stream: Stream, client: int, state: FeedPosition | None = None, group: int = 1) -> None:
     with stream.cond:
         stream.attach(client, f"token-{client}", client, state or stream.head, since="a1", group=group)
 
