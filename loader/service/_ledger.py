@@ -63,7 +63,7 @@ class BatchLedger:
 
     # -- lent batches ----------------------------------------------------------------------
     def lend(self, ready: Ready, stream: Stream) -> None:
-        """Keep track of a dropped batch that clients still hold (called holding the stream's lock)."""
+        """Keep track of a dropped batch that clients still hold (called holding the stream's lock: never calls it)."""
         with self._lock:
             self._lent.append((ready, stream))
 
@@ -74,15 +74,11 @@ class BatchLedger:
             if not self._lent:
                 return
             lent = list(self._lent)
-        done = []
-        for ready, stream in lent:
-            if token in ready.holders and (seqs is None or ready.seq in seqs):
-                with stream.cond:
-                    ready.holders.discard(token)
-                    ready.abandoned = ready.abandoned or seqs is None  # its client left holding it
-                    if not ready.holders:
-                        stream.recycle(ready)
-                        done.append(ready)
+        done = [
+            ready
+            for ready, stream in lent
+            if (seqs is None or ready.seq in seqs) and stream.return_lent(ready, token, left=seqs is None)
+        ]
         if done:
             with self._lock:
                 self._lent = [(r, s) for r, s in self._lent if r not in done]

@@ -236,8 +236,7 @@ class FeedService:
         if hello.attempt is None and hello.resume is not None:
             self._record_gone_clients()
         connection.attempt = since = self.attempts.join(hello.attempt, hello.resume, hello.position)
-        with stream.cond:
-            stream.attach(connection.id, hello.token, hello.rank, hello.position, since, hello.group)
+        stream.attach(connection.id, hello.token, hello.rank, hello.position, since, hello.group)
         connection.stream = stream
         return {
             "op": "welcome",

@@ -33,7 +33,7 @@ class StreamContext:
     ``next_seq``: a batch number unique in the service; ``record_resize(started)``: a stream of a new topology
     served its first batch (``started``: when the change began, ``time.perf_counter``); ``audit(record)``: log a
     delivery; ``lend(ready, stream)``: keep track of a dropped batch clients still hold (called holding the
-    stream's lock).
+    stream's lock: it must not call back into the stream).
     """
 
     index: SampleIndex
@@ -78,7 +78,12 @@ class _Attached:
 
 
 class Stream:
-    """One data-parallel rank's batches: a feed, a producer thread, ready batches in shared memory."""
+    """One data-parallel rank's batches: a feed, a producer thread, ready batches in shared memory.
+
+    The stream locks itself: its public methods take its lock, callers never do. Holding it, the stream calls
+    out only to its context's ``record_resize``, ``audit`` and ``lend``, which take their own locks and never
+    call back into a stream (lock order: a stream's, then the ledger's, resizes' or attempt log's).
+    """
 
     def __init__(self, context: StreamContext, key: tuple[int, int, int], group: int, start: FeedPosition) -> None:
         self.context, self.key, self.group = context, key, group
@@ -88,7 +93,7 @@ class Stream:
         )
         self.resize_started: float | None = None  # set when this stream serves a new topology
         self.feed.seek(start)  # checked by the handshake: no plan cursor is rebuilt
-        self.cond = threading.Condition()
+        self._cond = threading.Condition()
         self.ready: list[Ready] = []
         self.clients: dict[int, _Attached] = {}
         self.head = self.feed.position  # where the producer continues
@@ -132,9 +137,9 @@ class Stream:
     def _produce(self) -> None:
         try:
             while True:
-                with self.cond:
+                with self._cond:
                     while not self.closed and self.restart_to is None and not self._room():
-                        self.cond.wait(0.5)
+                        self._cond.wait(0.5)
                     if self.closed:
                         return
                     if self.restart_to is not None:
@@ -143,7 +148,7 @@ class Stream:
                     before = self.head
                 taken = self.feed.take()
                 after = self.feed.position
-                with self.cond:
+                with self._cond:
                     if self.closed:
                         return
                     if self.restart_to is not None:  # a client asked for an earlier position meanwhile
@@ -151,11 +156,11 @@ class Stream:
                     segment = self._segments.take(self._slot_limit())
                 self._publish(taken, before, after, segment)
         except BaseException as exc:  # noqa: BLE001  handed to the clients, who get an error reply
-            with self.cond:
+            with self._cond:
                 if not self.closed:
                     log.error("stream %s stopped: %s: %s", self.key, type(exc).__name__, exc)
                     self.error = exc
-                self.cond.notify_all()
+                self._cond.notify_all()
 
     def _restart(self, position: FeedPosition) -> None:
         """Continue production at ``position`` (called by the producer, holding the lock)."""
@@ -170,7 +175,7 @@ class Stream:
         batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
         if writer.overflowed:
             del batch
-            with self.cond:
+            with self._cond:
                 grown = self._segments.grow(segment, writer.needed)
             segment.close()
             segment, writer = grown, SegmentWriter(grown)
@@ -187,13 +192,13 @@ class Stream:
         }
         frame = encode(message)
         del batch, message, rest
-        with self.cond:
+        with self._cond:
             self.ready.append(Ready(seq, before, after, segment, frame, taken.record))
             self.head = after
-            self.cond.notify_all()
+            self._cond.notify_all()
 
     # -- clients ---------------------------------------------------------------------------
-    def servable(self, position: FeedPosition) -> bool:
+    def _servable(self, position: FeedPosition) -> bool:
         """Whether ``position`` is ahead of or at a batch this stream still has (holding the lock)."""
         if self.restart_to is not None:
             return position.key >= self.restart_to.key
@@ -208,21 +213,22 @@ class Stream:
         self, client: int, token: str, rank: int, position: FeedPosition, since: str | None, group: int = 1
     ) -> None:
         """Serve ``client`` (of a peer group of ``group``) from ``position``; restart production there when this stream
-        is past it (holding the lock)."""
-        if not self.servable(position):
-            later = [c for c in self.clients.values() if c.position.key < position.key]
-            if later:
-                raise RequestError(
-                    "position",
-                    "another client of this data-parallel rank is at an earlier "
-                    "position that does not lead to yours; tensor-parallel peers must resume from "
-                    "the same checkpoint",
-                )
-            self.restart_to = position
-        self.clients[client] = _Attached(client, token, rank, position, since, group=group)
-        self._regroup()
-        self.idle_since = None
-        self.cond.notify_all()
+        is past it."""
+        with self._cond:
+            if not self._servable(position):
+                later = [c for c in self.clients.values() if c.position.key < position.key]
+                if later:
+                    raise RequestError(
+                        "position",
+                        "another client of this data-parallel rank is at an earlier "
+                        "position that does not lead to yours; tensor-parallel peers must resume from "
+                        "the same checkpoint",
+                    )
+                self.restart_to = position
+            self.clients[client] = _Attached(client, token, rank, position, since, group=group)
+            self._regroup()
+            self.idle_since = None
+            self._cond.notify_all()
 
     def detach(self, client: int) -> None:
         """The client left.
@@ -230,7 +236,7 @@ class Stream:
         Segments of batches it still held are never reused: the service closes its side and
         the pages go when the client's last tensor of them does (or with the client, if it died).
         """
-        with self.cond:
+        with self._cond:
             attached = self.clients.pop(client, None)
             if attached is None:
                 return
@@ -242,20 +248,20 @@ class Stream:
             self._collect()
             if not self.clients:
                 self.idle_since = time.monotonic()
-            self.cond.notify_all()
+            self._cond.notify_all()
 
     def release(self, token: str, seqs: set[int]) -> None:
         """The client dropped these batches' tensors: their segments may be reused."""
-        with self.cond:
+        with self._cond:
             for ready in self.ready:
                 if ready.seq in seqs:
                     ready.holders.discard(token)
             self._collect()
-            self.cond.notify_all()
+            self._cond.notify_all()
 
     def take(self, client: int, stopping: threading.Event) -> Ready:
         """The batch that starts at the client's cursor (blocks until produced)."""
-        with self.cond:
+        with self._cond:
             attached = self.clients[client]
             self._collect()
             started = time.perf_counter()
@@ -267,7 +273,7 @@ class Stream:
                 found = next((b for b in self.ready if b.before == attached.position), None)
                 if found is not None:
                     break
-                self.cond.wait(0.5)
+                self._cond.wait(0.5)
             waited = time.perf_counter() - started
             if self.resize_started is not None:
                 self.context.record_resize(self.resize_started)
@@ -280,7 +286,7 @@ class Stream:
             attached.position = found.after
             self._audit(found, attached.since)  # logged before it is sent: a batch a trainer holds is always logged
             self._collect()
-            self.cond.notify_all()
+            self._cond.notify_all()
             return found
 
     def _audit(self, ready: Ready, since: str | None) -> None:
@@ -304,45 +310,76 @@ class Stream:
         if ready.holders:
             self.context.lend(ready, self)
             return
-        self.recycle(ready)
+        self._recycle(ready)
 
-    def recycle(self, ready: Ready) -> None:
-        """A batch no client holds any more: its segment is free again, or closed if a departed client may read it."""
+    def _recycle(self, ready: Ready) -> None:
+        """A batch no client holds any more: its segment is free again, or closed if a departed client may read it
+        (holding the lock)."""
         self._segments.recycle(ready.segment, ready.abandoned, self._slot_limit())
+
+    def return_lent(self, ready: Ready, token: str, left: bool) -> bool:
+        """The client ``token`` dropped ``ready``, a batch of this stream lent to it (``left``: it left holding it);
+        True when no client holds it any more: its segment is recycled."""
+        with self._cond:
+            if token not in ready.holders:
+                return False
+            ready.holders.discard(token)
+            ready.abandoned = ready.abandoned or left  # its client left holding it
+            if ready.holders:
+                return False
+            self._recycle(ready)
+            return True
 
     def harvest(self) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
         """Batches no client took yet, as (delivery record, decoded samples): views of their segments, which are never
-        reused (holding the lock). The views keep the pages alive after the stream closes."""
+        reused. The views keep the pages alive after the stream closes."""
         harvested = []
-        for ready in self.ready:
-            base = ready.segment.base
-            if ready.takers or ready.record.get("replaced") or base is None:
-                continue
-            batch = decode_arrays(ready.frame, base)
-            harvested.append((ready.record, uncollate(batch, copy=False)))
-            ready.abandoned = True
+        with self._cond:
+            for ready in self.ready:
+                base = ready.segment.base
+                if ready.takers or ready.record.get("replaced") or base is None:
+                    continue
+                batch = decode_arrays(ready.frame, base)
+                harvested.append((ready.record, uncollate(batch, copy=False)))
+                ready.abandoned = True
         return harvested
+
+    def client_rows(self) -> list[dict[str, Any]]:
+        """One metrics row per attached client: its ranks, batches and waits."""
+        with self._cond:
+            return [
+                {
+                    "client": str(attached.client),
+                    "rank": attached.rank,
+                    "dp_rank": self.key[1],
+                    "dp_world_size": self.key[0],
+                    "batches": attached.batches,
+                    "waited_s": attached.waited_s,
+                    "last_wait_s": attached.last_wait_s,
+                }
+                for attached in self.clients.values()
+            ]
 
     def segments(self) -> tuple[int, int]:
         """Segments this stream keeps and their bytes."""
-        with self.cond:
+        with self._cond:
             kept = self._segments.kept()
             return len(kept), sum(s.size for s in kept)
 
     def live(self) -> set[tuple[int, int]]:
-        """(slot, generation) of the segments this stream keeps (holding the lock or not)."""
-        with self.cond:
+        """(slot, generation) of the segments this stream keeps."""
+        with self._cond:
             return {(s.slot, s.generation) for s in self._segments.kept()}
 
     def close(self) -> None:
         """Stop the producer, the feed and free every segment (idempotent)."""
-        with self.cond:
+        with self._cond:
             if self.closed:
                 return
             self.closed = True
-            self.cond.notify_all()
+            self._cond.notify_all()
         self.feed.close()
         self._thread.join(timeout=30)
-        with self.cond:
+        with self._cond:
             self._segments.close()
             self.ready.clear()

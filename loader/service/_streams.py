@@ -138,19 +138,7 @@ class StreamTable:
         for stream in streams:
             count, nbytes = stream.segments()
             segments, segment_bytes, one_offs = segments + count, segment_bytes + nbytes, one_offs + stream.one_offs
-            with stream.cond:
-                for attached in stream.clients.values():
-                    clients.append(
-                        {
-                            "client": str(attached.client),
-                            "rank": attached.rank,
-                            "dp_rank": stream.key[1],
-                            "dp_world_size": stream.key[0],
-                            "batches": attached.batches,
-                            "waited_s": attached.waited_s,
-                            "last_wait_s": attached.last_wait_s,
-                        }
-                    )
+            clients.extend(stream.client_rows())
         return {
             "clients": clients,
             "streams": len(streams),
@@ -186,7 +174,5 @@ class StreamTable:
     def _retire(self, streams: list[Stream]) -> None:
         """Hand the decoded samples of their untaken batches over to whichever new stream deals them; close them."""
         for stream in streams:
-            with stream.cond:
-                harvested = stream.harvest()
-            self._ledger.hand_over(harvested)
+            self._ledger.hand_over(stream.harvest())
             threading.Thread(target=stream.close, name="omnifeed-retire", daemon=True).start()

@@ -3,7 +3,6 @@ batches lent to clients after their stream dropped them (recycled when the last 
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -61,14 +60,20 @@ def test_the_oldest_entries_go_beyond_the_limit_and_a_new_change_clears_them(ind
 
 
 class FakeStream:
-    """The part of a stream the ledger uses: its lock and `recycle`."""
+    """The part of a stream the ledger uses: `return_lent`, recycling a batch its last holder dropped."""
 
     def __init__(self) -> None:
-        self.cond = threading.Condition()
         self.recycled: list[Ready] = []
 
-    def recycle(self, ready: Ready) -> None:
+    def return_lent(self, ready: Ready, token: str, left: bool) -> bool:
+        if token not in ready.holders:
+            return False
+        ready.holders.discard(token)
+        ready.abandoned = ready.abandoned or left
+        if ready.holders:
+            return False
         self.recycled.append(ready)
+        return True
 
 
 def lent_batch(seq: int, *holders: str) -> Ready:

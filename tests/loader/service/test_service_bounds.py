@@ -250,7 +250,7 @@ def test_a_departed_peer_no_longer_holds_the_streams_segments(index_dir: Path) -
         for _ in range(5):
             client.next_batch()
         assert service.metrics()["service"]["segments"] <= limit
-        assert client._handoff.mapped() <= limit  # the client let go of the segments the service gave up
+        assert client._source._handoff.mapped() <= limit  # the client let go of the segments the service gave up
 
 
 # -- idle and half-sent connections time out -------------------------------------------------------------------

@@ -61,8 +61,7 @@ def take(stream: Stream, client: int) -> Ready:
 
 
 def attach(stream: Stream, client: int, state: FeedPosition | None = None, group: int = 1) -> None:
-    with stream.cond:
-        stream.attach(client, f"token-{client}", client, state or stream.head, since="a1", group=group)
+    stream.attach(client, f"token-{client}", client, state or stream.head, since="a1", group=group)
 
 
 def test_a_stream_delivers_its_ranks_micro_batches_in_plan_order_in_shared_memory(parts, index_dir: Path) -> None:
@@ -105,12 +104,32 @@ def test_a_client_at_an_earlier_position_restarts_production_there_and_held_batc
         stream.release("token-1", {first.seq})  # dropped: the stream no longer has the batch at ``origin``
         attach(stream, 2, state=origin)  # a client from an earlier checkpoint
         again = take(stream, 2)
-        with stream.cond:
-            stream.cond.wait_for(lambda: stream.restart_to is None, timeout=60)
+        with stream._cond:  # the producer's state, observed
+            stream._cond.wait_for(lambda: stream.restart_to is None, timeout=60)
     finally:
         stream.close()
     assert again.record["keys"] == first.record["keys"] and again.seq != first.seq  # produced again
     assert [id(r) for r in seen.lent] == [id(held)]  # dropped by the restart while client 1 holds it: lent
+
+
+def test_a_lent_batch_returned_by_its_last_holder_who_left_gives_up_its_segment(parts) -> None:
+    context, seen = parts
+    stream = start(context)
+    try:
+        attach(stream, 1)
+        origin = stream.head
+        stream.release("token-1", {take(stream, 1).seq})
+        held = take(stream, 1)
+        attach(stream, 2, state=origin)  # a restart drops ``held`` while client 1 holds it: lent
+        take(stream, 2)
+        assert [id(r) for r in seen.lent] == [id(held)]
+        slot = (held.segment.slot, held.segment.generation)
+        assert not stream.return_lent(held, "token-2", left=False)  # not a holder of it
+        assert slot in stream.live() and not held.abandoned
+        assert stream.return_lent(held, "token-1", left=True)  # its holder left holding it: never reused
+        assert held.abandoned and not held.holders and slot not in stream.live()
+    finally:
+        stream.close()
 
 
 def test_a_released_batch_is_dropped_and_its_segment_reused(parts) -> None:
@@ -136,8 +155,8 @@ def test_untaken_batches_are_harvested_as_decoded_samples(parts) -> None:
     context, _ = parts
     stream = start(context)
     try:
-        with stream.cond:
-            stream.cond.wait_for(lambda: len(stream.ready) >= 2 or stream.error is not None, timeout=60)
+        with stream._cond:  # the producer's state, observed; harvest takes the lock again (a Condition's RLock)
+            stream._cond.wait_for(lambda: len(stream.ready) >= 2 or stream.error is not None, timeout=60)
             harvested = stream.harvest()
     finally:
         stream.close()
