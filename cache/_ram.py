@@ -342,12 +342,18 @@ class RamTier:
 
     # -- public operations -----------------------------------------------------------------------
 
-    def get(self, key: bytes) -> bytes | None:
-        """The entry's bytes, or None; counts the access for admission."""
+    def get(self, key: bytes, *, count_miss: bool = True) -> bytes | None:
+        """The entry's bytes, or None; counts the access for admission.
+
+        ``count_miss=False``: a miss counts nothing (a lookup of an entry that may never be stored: neither an
+        access nor a miss), so a caller does not first ask `contains` and then look the entry up again.
+        """
         k0, k1 = _split(key)
         with self._locked():
-            self._count(key)
             i = self._find(k0, k1)
+            if i < 0 and not count_miss:
+                return None
+            self._count(key)
             if i < 0:
                 self._stats["misses"] += 1
                 return None

@@ -83,7 +83,7 @@ class FieldSource:
         """The decoded entry if one is cached, else the raw bytes (from a tier, or the origin filling the tiers)."""
         key = self.decoded_key(sample, location)
         if key is not None and self._ram is not None:  # decoded when there was room, else raw
-            entry = self._ram.get(key) if self._ram.contains(key) else None  # a miss: the raw lookup counts the access
+            entry = self._ram.get(key, count_miss=False)  # a miss: the raw lookup counts the access
             if entry is not None:
                 try:
                     return "decoded", decode_decoded(entry)

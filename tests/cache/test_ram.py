@@ -42,6 +42,16 @@ def test_round_trip_and_absent(ram_config: RamTierConfig) -> None:
         assert stats["hits"] == 1 and stats["misses"] == 1 and stats["entries"] == 1
 
 
+def test_a_lookup_that_may_miss_without_counting_it_counts_only_a_hit(ram_config: RamTierConfig) -> None:
+    with RamTier(ram_config) as tier:
+        assert tier.get(key(1), count_miss=False) is None
+        assert tier.stats()["misses"] == 0
+        assert tier.put(key(1), b"decoded", accessed=False)
+        assert tier.get(key(1), count_miss=False) == b"decoded"
+        stats = tier.stats()
+        assert stats["hits"] == 1 and stats["misses"] == 0
+
+
 def test_entries_over_the_size_limit_are_not_cached(ram_config: RamTierConfig) -> None:
     with RamTier(ram_config) as tier:
         assert not tier.put(key(1), bytes(ram_config.capacity_bytes // 4))
