@@ -50,7 +50,7 @@ from omnifeed.loader import (  # noqa: E402
     make_decoder,
 )
 from omnifeed.loader.feed._pipeline import fields_to_decode  # noqa: E402
-from omnifeed.tools._bench import write_images  # noqa: E402
+from omnifeed.tools._bench_dataset import write_images  # noqa: E402
 from omnifeed.tools._precache import PrecacheJob  # noqa: E402
 from omnifeed.tools._precache_run import precache_local  # noqa: E402
 

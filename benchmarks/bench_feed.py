@@ -45,7 +45,7 @@ from omnifeed.loader import (
     make_decoder,
     read_field,
 )
-from omnifeed.tools._bench import write_images
+from omnifeed.tools._bench_dataset import write_images
 from omnifeed.tools._demo_data import DemoDatasetSpec, write_webdataset
 
 _IMAGE = dict(resize="short_side", size=224, crop="center")

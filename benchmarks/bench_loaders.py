@@ -14,7 +14,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-from omnifeed.tools._bench import BenchConfig, bench_command
+from omnifeed.tools._bench import bench_command
+from omnifeed.tools._bench_config import BenchConfig
 
 HERE = Path(__file__).parent
 

@@ -39,7 +39,7 @@ import yaml
 
 from omnifeed.loader import IndexConfig, SampleIndex, build_index, read_field
 from omnifeed.loader.service import wait_until_serving
-from omnifeed.tools._bench_loaders import SampleDecoder, collate_samples, decode_config
+from omnifeed.tools._bench_spec import SampleDecoder, collate_samples, decode_config
 from omnifeed.tools._demo_data import encode_image
 from omnifeed.trainer_adapter import FeedClient
 

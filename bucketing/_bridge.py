@@ -100,7 +100,8 @@ def _bridge(
         for whole, the upper part (a later pass bridges the rest with another group)."""
         room, out = sum(done[i][1] for i in group) - _SPARE * budget, list[float]()
         grain = float(np.quantile(own[[s for i in group for s in done[i][0]]], 0.1))
-        for targets in jumps:
+        # jumps it can close whole first: bridging only the top of one leaves a jump below all the same
+        for targets in sorted(jumps, key=lambda targets: min(targets) * _GRAIN < grain):
             for target in sorted(targets, reverse=True):
                 if target * _GRAIN < grain or target > room or len(out) >= most:
                     break

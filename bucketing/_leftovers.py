@@ -179,7 +179,7 @@ def _even_light(
         group = [k, *peers[: m - 1].tolist()]
         if len(group) < 2:
             continue
-        samples = sorted((s for i in group for s in batches[i]), key=lambda s: (cell[s], own[s], s))
+        samples = sorted((s for i in group for s in batches[i]), key=lambda s: (own[s], s))
         cut = _even_cut(samples, table, weights, len(group), budget, max_size)
         if cut is None or min(c for _, c in cut) <= costs[k]:
             continue

@@ -1,9 +1,9 @@
 """The NVMe tier: an LMDB environment on local disk, byte-bounded, checksummed, shared by processes.
 
-Sub-databases: ``data`` (key → xxh3-64 checksum + bytes), ``queue`` (sequence number → key:
-insertion order, oldest first), ``meta`` (key → sequence number + size) and ``info`` (totals).
-Eviction is the same frequency-guarded FIFO as the RAM tier over a frequency sketch kept in
-``sketch.bin`` beside the environment (a shared file mapping, so every process counts into it).
+Its records (sub-databases ``data``, ``queue``, ``meta``, ``info``) and the frequency-guarded FIFO
+that evicts among them are ``_nvme_queue``'s `EntryQueue`, which `NvmeTier` is; the frequency sketch
+is kept in ``sketch.bin`` beside the environment (a shared file mapping, so every process counts
+into it). This module is the tier's public operations, its lifecycle, and its transactions.
 
 LMDB gives the rest: one writer at a time across processes, readers that never block,
 atomic transactions (a process killed mid-write leaves the last committed state). The
@@ -25,7 +25,6 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,16 +37,15 @@ from ._config import NvmeTierConfig
 from ._errors import CacheError
 from ._nvme_directory import DRAFT_PREFIX, FILES, cache_secret, checksum, owned_directory
 from ._nvme_environment import SUB_DATABASES, Gate, open_sketch, release_environment, shared_environment
-from ._sketch import SCAN_LIMIT, keeps_victim
+from ._nvme_queue import EntryQueue
 
 log = logging.getLogger(__name__)
 
-_META = struct.Struct("<QQ")  # sequence number, accounted size
 _MAX_ENTRY_FRACTION = 0.125
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 
 
-class NvmeTier:
+class NvmeTier(EntryQueue):
     """Byte-bounded LMDB cache of immutable entries keyed by 16-byte digests.
 
     Raises CacheError when ``config.path`` or a file in it belongs to another user or is writable
@@ -121,10 +119,7 @@ class NvmeTier:
     def _forget_unkeyed(self) -> None:
         """Drop the entries of a cache that had no secret: their checksums cannot be trusted."""
         with self._write_lock, self._txn(write=True) as txn:
-            _, _, count = self._totals(txn)
-            for db in (self._data, self._queue, self._meta):
-                txn.drop(db, delete=False)
-            txn.put(b"totals", struct.pack("<QQQ", 0, 0, 0), db=self._info)
+            count = self._remove_all(txn)
         if count:
             log.warning(
                 "NVMe tier %s had no secret for its checksums: made one, and dropped its %d entries (they are "
@@ -280,83 +275,13 @@ class NvmeTier:
             return 0
 
     def _put_many(self, entries: list[tuple[bytes, bytes]], accessed: bool) -> int:
-        held = 0
         counts = {"puts": 0, "bytes_put": 0, "rejected": 0, "evicted": 0, "reinserted": 0, "too_large": 0}
         with self._txn(write=True) as txn:
-            seq, used, count = self._totals(txn)
-            if int(self._sketch_ops[0]) >= self._sketch.sample_size:
-                self._sketch_ops[0] = 0
-                self._sketch.halve()
-            for key, value in entries:
-                if txn.get(key, db=self._meta) is not None:
-                    held += 1
-                    continue
-                size = len(key) + 8 + len(value) + _META.size
-                if size > self._max_entry:
-                    counts["too_large"] += 1
-                    continue
-                newcomer = self._sketch.estimate(key) - (1 if accessed else 0)
-                room = True
-                while used + size > self.capacity:
-                    freed = self._evict_one(txn, newcomer, counts)
-                    if freed is None:
-                        room = False
-                        break
-                    seq = max(seq, freed[1])
-                    used -= freed[0]
-                    count -= 1
-                if not room:
-                    counts["rejected"] += 1
-                    continue
-                txn.put(key, checksum(self._secret, key, value) + value, db=self._data)
-                txn.put(key, _META.pack(seq, size), db=self._meta)
-                txn.put(seq.to_bytes(8, "big"), key, db=self._queue)
-                seq, used, count, held = seq + 1, used + size, count + 1, held + 1
-                counts["puts"] += 1
-                counts["bytes_put"] += len(value)
-            txn.put(b"totals", struct.pack("<QQQ", seq, used, count), db=self._info)
+            held = self._store(txn, entries, accessed, counts)
         with self._stats_lock:
             for name, n in counts.items():
                 self._stats[name] += n
         return held
-
-    def _totals(self, txn: lmdb.Transaction) -> tuple[int, int, int]:
-        raw = txn.get(b"totals", db=self._info)
-        return struct.unpack("<QQQ", raw) if raw is not None else (0, 0, 0)
-
-    def _evict_one(self, txn: lmdb.Transaction, newcomer: int, counts: dict[str, int]) -> tuple[int, int] | None:
-        """Evict the first of the oldest entries the newcomer outranks, requeueing those before it.
-
-        Returns (bytes freed, next free sequence number), or None when none of the first
-        SCAN_LIMIT entries yields (the newcomer is turned away; nothing changes).
-        """
-        victims: list[tuple[bytes, bytes]] = []
-        with txn.cursor(db=self._queue) as cursor:
-            for seq_bytes, key in cursor:
-                victims.append((bytes(seq_bytes), bytes(key)))
-                if len(victims) == SCAN_LIMIT:
-                    break
-        chosen = next(
-            (i for i, (_, key) in enumerate(victims) if not keeps_victim(self._sketch.estimate(key), newcomer)), None
-        )
-        if chosen is None:
-            return None
-        last = txn.cursor(db=self._queue)
-        next_seq = int.from_bytes(last.key(), "big") + 1 if last.last() else 0
-        for seq_bytes, key in victims[:chosen]:
-            size = _META.unpack(bytes(txn.get(key, db=self._meta) or b""))[1]
-            txn.delete(seq_bytes, db=self._queue)
-            txn.put(next_seq.to_bytes(8, "big"), key, db=self._queue)
-            txn.put(key, _META.pack(next_seq, size), db=self._meta)
-            next_seq += 1
-            counts["reinserted"] += 1
-        seq_bytes, key = victims[chosen]
-        size = _META.unpack(bytes(txn.get(key, db=self._meta) or b""))[1]
-        txn.delete(seq_bytes, db=self._queue)
-        txn.delete(key, db=self._meta)
-        txn.delete(key, db=self._data)
-        counts["evicted"] += 1
-        return size, next_seq
 
     def discard(self, key: bytes) -> None:
         """Forget an entry a reader found unusable (a later ``put`` stores anew)."""
@@ -367,21 +292,9 @@ class NvmeTier:
             return
         try:
             with self._write_lock, self._txn(write=True) as txn:
-                meta = txn.get(key, db=self._meta)
-                if meta is None:
-                    return
-                seq, size = _META.unpack(meta)
-                txn.delete(seq.to_bytes(8, "big"), db=self._queue)
-                txn.delete(key, db=self._meta)
-                txn.delete(key, db=self._data)
-                next_seq, used, count = self._totals(txn)
-                txn.put(b"totals", struct.pack("<QQQ", next_seq, used - size, count - 1), db=self._info)
+                self._remove(txn, key)
         except lmdb.Error as exc:
             self._degrade(f"a write failed: {exc}")
-
-    def _touch(self, key: bytes) -> None:
-        self._sketch.increment(key)
-        self._sketch_ops[0] += 1
 
     def stats(self) -> dict[str, Any]:
         """This process's hits/misses/bytes, and the tier's occupancy (all processes)."""

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-FEED_PATHS: tuple[tuple[str, ...], ...] = (("cache", "nvme", "path"),)
+FEED_PATHS: tuple[tuple[str, ...], ...] = (("cache", "nvme", "path"), ("plan", "mixture", "sources", "*", "index"))
 """The path-valued settings of a feed config (key paths into its YAML mapping)."""
 
 SERVICE_PATHS: tuple[tuple[str, ...], ...] = (
@@ -28,14 +28,14 @@ def resolve_paths(data: dict[str, Any], config_file: Path, paths: Sequence[tuple
     folder = config_file.resolve().parent
     out = copy.deepcopy(data)
     for path in paths:
-        parent: Any = out
-        for name in path[:-1]:
-            parent = parent.get(name) if isinstance(parent, dict) else None
-        if not isinstance(parent, dict) or not isinstance(parent.get(path[-1]), str):
-            continue
-        value: str = parent[path[-1]]
-        if "://" in value:
-            continue
-        expanded = Path(value).expanduser()
-        parent[path[-1]] = str(expanded if expanded.is_absolute() else folder / expanded)
+        parents: list[Any] = [out]
+        for name in path[:-1]:  # ``*``: every value of a mapping (a mixture's sources)
+            found = [p.get(name) for p in parents] if name != "*" else [v for p in parents for v in p.values()]
+            parents = [p for p in found if isinstance(p, dict)]
+        for parent in parents:
+            value = parent.get(path[-1])
+            if not isinstance(value, str) or "://" in value:
+                continue
+            expanded = Path(value).expanduser()
+            parent[path[-1]] = str(expanded if expanded.is_absolute() else folder / expanded)
     return out

@@ -6,6 +6,7 @@ decode rate × workers), then runs each loader × pipeline for one epoch in a fr
 process (`_bench_loaders`), sampling the child's process tree for its peak memory (PSS, so
 shared memory is counted once). Rounds alternate the loaders so the machine's noise hits all
 alike; a loader that is not installed is reported as missing, one that fails as an error.
+The config and the rows are `_bench_config`; the dataset's forms `_bench_dataset`.
 """
 
 from __future__ import annotations
@@ -15,147 +16,19 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import psutil
 
-from omnifeed.loader import IndexConfig, build_index
-
-from ._bench_loaders import IMAGE_ONLY, PIPELINES, REQUIRES, RunSpec, SampleDecoder, decode_config, folder_samples
-from ._bench_names import LOADERS
+from ._bench_config import BenchConfig, Row
+from ._bench_dataset import Dataset, prepare_datasets
+from ._bench_loaders import IMAGE_ONLY, REQUIRES
 from ._bench_node import run_node
-from ._demo_data import DemoDatasetSpec, encode_image, write_folder, write_webdataset
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """What `omnifeed bench` runs."""
-
-    work: Path
-    images: int = 2048
-    mixed: int = 1536
-    workers: int = 2
-    batch_size: int = 64
-    rounds: int = 1
-    loaders: Sequence[str] = LOADERS
-    pipelines: Sequence[str] = PIPELINES
-    data: Path | None = None  # a folder of JPEG files or of WebDataset shards to use instead of generated images
-    python: str = sys.executable
-    timeout_s: float = 1800.0
-    limit_seconds: float = 3.0  # how long the decode limit is measured per pipeline
-    node_ranks: int = 2  # trainer ranks of the node scenario (`_bench_node`; 0: not run)
-
-
-@dataclass
-class Row:
-    """One loader on one pipeline: the median over rounds, or why it did not run."""
-
-    loader: str
-    pipeline: str
-    status: str = "ok"
-    samples: int = 0
-    samples_per_s: float = 0.0
-    cpu_s_per_sample: float = 0.0
-    first_batch_s: float = 0.0
-    peak_pss_mib: float = 0.0
-    vs_dataloader: float | None = None
-    vs_decode_limit: float | None = None
-    rounds: list[dict[str, Any]] = field(default_factory=list)
-
-
-# -- the dataset in every form ---------------------------------------------------------------
-@dataclass(frozen=True)
-class Dataset:
-    """One pipeline's samples as WebDataset shards, a folder of files and omnifeed's index."""
-
-    pipeline: str
-    shards: list[str]
-    folder: str
-    index: str
-    samples: int
-
-
-def write_images(out: Path, count: int, shards: int = 4) -> list[Path]:
-    """``count`` 640×480 and 500×375 JPEG photos with a class label (``jpg``, ``cls``), as WebDataset shards."""
-    import webdataset
-
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for shard in range(shards):
-        path = out / f"images-{shard:04d}.tar"
-        with open(path, "wb") as stream, webdataset.TarWriter(stream, encoder=False, mtime=0) as sink:
-            for i in range(shard, count, shards):
-                width, height = (640, 480) if i % 3 else (500, 375)
-                sink.write(
-                    {
-                        "__key__": f"img-{i:06d}",
-                        "jpg": encode_image(width, height, "jpg", seed=i),
-                        "cls": str(i % 1000).encode(),
-                    }
-                )
-        paths.append(path)
-    return paths
-
-
-def _shards_to_folder(shards: Sequence[Path], folder: Path) -> None:
-    """Every member of the shards as a file ``key.field`` (the layout the folder loaders read)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for shard in shards:
-        with tarfile.open(shard) as tar:
-            for member in tar:
-                if member.isfile() and "/" not in member.name and not member.name.startswith("."):
-                    source = tar.extractfile(member)
-                    if source is not None:
-                        (folder / member.name).write_bytes(source.read())
-
-
-def _folder_to_shards(folder: Path, out: Path, shards: int = 4) -> list[Path]:
-    """A folder of ``key.field`` files packed into WebDataset shards."""
-    import webdataset
-
-    items = folder_samples(str(folder))
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for shard in range(shards):
-        path = out / f"data-{shard:04d}.tar"
-        with open(path, "wb") as stream, webdataset.TarWriter(stream, encoder=False, mtime=0) as sink:
-            for key, files in items[shard::shards]:
-                sink.write({"__key__": Path(key).name, **{n: p.read_bytes() for n, p in files.items()}})
-        paths.append(path)
-    return paths
-
-
-def prepare_datasets(config: BenchConfig) -> dict[str, Dataset]:
-    """Generate (or take) each pipeline's samples and write every form of them under ``config.work``."""
-    datasets = {}
-    for pipeline in config.pipelines:
-        root = config.work / pipeline
-        if pipeline == "image" and config.data is not None:
-            given = sorted(config.data.glob("*.tar"))
-            if given:
-                shards = given
-                _shards_to_folder(shards, root / "files")
-            else:
-                shards = _folder_to_shards(config.data, root / "shards")
-                _shards_to_folder(shards, root / "files")  # keys and fields as the shards name them
-        elif pipeline == "image":
-            shards = write_images(root / "shards", config.images)
-            _shards_to_folder(shards, root / "files")
-        else:
-            spec = DemoDatasetSpec(num_samples=config.mixed, num_shards=4, image_px=(160, 640))
-            shards = write_webdataset(root / "shards", spec)
-            write_folder(root / "files", spec)
-        index = build_index([str(p) for p in shards], root / "index", IndexConfig(workers=1), progress=False)
-        datasets[pipeline] = Dataset(
-            pipeline, [str(p) for p in shards], str(root / "files"), str(index.path), index.num_samples
-        )
-    return datasets
+from ._bench_spec import RunSpec, SampleDecoder, decode_config, folder_samples
 
 
 # -- the decode limit ---------------------------------------------------------------------------

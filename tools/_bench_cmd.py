@@ -101,7 +101,8 @@ def _positive_int(text: str) -> int:
 def _run_bench(args: argparse.Namespace) -> int:
     if args.scenario == "training":
         return _run_bench_training(args)
-    from ._bench import BenchConfig, bench_command
+    from ._bench import bench_command
+    from ._bench_config import BenchConfig
 
     loaders = [name for name in args.loaders.split(",") if name]
     pipelines = [name for name in args.pipelines.split(",") if name]
@@ -151,7 +152,8 @@ def _positive_minutes(text: str) -> float:
 
 
 def _run_chaos(args: argparse.Namespace) -> int:
-    from ._chaos import ChaosConfig, run_chaos
+    from ._chaos import run_chaos
+    from ._chaos_config import ChaosConfig
 
     out = Path(args.out)
     config = (

@@ -7,6 +7,7 @@ the tokenizer) and the same collate (omnifeed's batch format), with the same num
 workers, so the figures compare the loaders, not the decoders. DALI decodes with its own
 libjpeg-turbo pipeline, as its users would run it. Prints one JSON line: samples, seconds to
 the first batch, seconds after it, CPU seconds of this process and every child it waited for.
+The peer loaders are `_bench_peers`; `RunSpec` and the shared decode and collate code `_bench_spec`.
 """
 
 from __future__ import annotations
@@ -19,244 +20,24 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import msgpack
+from omnifeed.loader import FIELD_MODALITIES, FeedConfig, PlanConfig, PoolConfig
 
-from omnifeed.loader import (
-    FIELD_MODALITIES,
-    DecodeConfig,
-    FeedConfig,
-    ImageDecodeConfig,
-    IndexConfig,
-    PlanConfig,
-    PoolConfig,
+from ._bench_peers import (
+    prepare,
+    run_dali,
+    run_dataloader,
+    run_litdata,
+    run_statefuldataloader,
+    run_streaming,
+    run_webloader,
 )
-from omnifeed.loader.decode import make_decoder
-from omnifeed.loader.feed import Decoded, collate
+from ._bench_spec import RunSpec, decode_config
 
-PIPELINES = ("image", "mixed")
 IMAGE_ONLY = frozenset({"omnifeed-draft", "omnifeed-processes", "dali"})
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """What one child runs: a loader, a pipeline, the dataset's forms, workers and batch size."""
-
-    loader: str
-    pipeline: str
-    workers: int
-    batch_size: int
-    shards: list[str]  # WebDataset shards
-    folder: str  # the same samples as files: {key}.{field}
-    index: str  # omnifeed's index of the shards
-    work: str  # scratch folder of this run (sockets, converted formats)
-    converted: str = ""  # Streaming's MDS or LitData's chunks of the folder, written by `prepare`
-    samples: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def decode_config(pipeline: str, draft: bool = False) -> DecodeConfig:
-    """The decode work of ``pipeline``: images to 224×224 (short side, centre crop); other modalities as configured by default."""
-    return DecodeConfig(image=ImageDecodeConfig(resize="short_side", size=224, crop="center", draft=draft))
-
-
-class SampleDecoder:
-    """A sample's fields (name -> bytes) decoded by modality into omnifeed's per-sample form, as the feed does."""
-
-    def __init__(self, config: DecodeConfig) -> None:
-        self.config = config
-        self.modality_of = IndexConfig().modality_of
-        self.decoders: dict[str, Callable[[bytes, str], object]] = {}
-
-    def __call__(self, fields: dict[str, bytes], key: str) -> Decoded:
-        """Decoded modalities of one sample; unknown fields kept as bytes under ``meta``."""
-        out: Decoded = {}
-        for name, data in fields.items():
-            modality = self.modality_of(name)
-            if modality == "meta":
-                out.setdefault("meta", {})[name] = data
-                continue
-            if modality not in self.decoders:
-                self.decoders[modality] = make_decoder(modality, self.config)
-            out[modality] = self.decoders[modality](data, key)
-        return out
-
-
-def collate_samples(samples: list[tuple[str, Decoded]]) -> dict[str, Any]:
-    """omnifeed's batch format for the peers (the same padding work the feed does), as torch tensors as the feed hands it out."""
-    from omnifeed.loader.feed import to_torch
-
-    batch: dict[str, Any] = to_torch(collate([s for _, s in samples], [k for k, _ in samples], {}))
-    return batch
-
-
-def folder_samples(folder: str) -> list[tuple[str, dict[str, Path]]]:
-    """(key, {field: path}) of every sample under ``folder`` (files named ``key.field``), sorted by key."""
-    grouped: dict[str, dict[str, Path]] = {}
-    for path in sorted(Path(folder).rglob("*")):
-        if path.is_file():
-            key, _, name = path.name.partition(".")
-            grouped.setdefault(str(path.parent / key), {})[name] = path
-    return sorted(grouped.items())
-
-
-# -- map-style over the folder: DataLoader, StatefulDataLoader -----------------------------
-class FolderDataset:
-    """Map-style: sample ``i`` of the folder, read and decoded (what a DataLoader user writes)."""
-
-    def __init__(self, folder: str, pipeline: str) -> None:
-        self.items = [(Path(key).name, paths) for key, paths in folder_samples(folder)]
-        self.decode = SampleDecoder(decode_config(pipeline))
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> tuple[str, Decoded]:
-        key, paths = self.items[i]
-        return key, self.decode({name: path.read_bytes() for name, path in paths.items()}, key)
-
-
-def _dataloader(spec: RunSpec, cls: Any) -> Iterable[dict[str, Any]]:
-    import torch
-
-    return cls(
-        FolderDataset(spec.folder, spec.pipeline),
-        batch_size=spec.batch_size,
-        shuffle=True,  # type: ignore[arg-type]
-        num_workers=spec.workers,
-        collate_fn=collate_samples,
-        generator=torch.Generator().manual_seed(0),
-        persistent_workers=False,
-    )
-
-
-def run_dataloader(spec: RunSpec) -> Iterable[dict[str, Any]]:
-    """torch.utils.data.DataLoader, map-style over the folder, ``num_workers`` processes."""
-    import torch.utils.data
-
-    return _dataloader(spec, torch.utils.data.DataLoader)
-
-
-def run_statefuldataloader(spec: RunSpec) -> Iterable[dict[str, Any]]:
-    """torchdata's StatefulDataLoader, the same dataset and arguments."""
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    return _dataloader(spec, StatefulDataLoader)
-
-
-# -- streaming over the shards: webdataset.WebLoader ---------------------------------------
-def run_webloader(spec: RunSpec) -> Iterable[dict[str, Any]]:
-    """webdataset.WebLoader over the shards: shard shuffle, a 1,000-sample shuffle buffer, batched in the workers."""
-    import webdataset as wds
-
-    decode = SampleDecoder(decode_config(spec.pipeline))
-
-    def decoded(sample: dict[str, Any]) -> tuple[str, Decoded]:
-        fields = {k: v for k, v in sample.items() if not k.startswith("__")}
-        return sample["__key__"], decode(fields, sample["__key__"])
-
-    dataset = (
-        wds.WebDataset(spec.shards, shardshuffle=len(spec.shards), empty_check=False)
-        .shuffle(1000)
-        .map(decoded)
-        .batched(spec.batch_size, collation_fn=collate_samples, partial=True)
-    )
-    return wds.WebLoader(dataset, batch_size=None, num_workers=spec.workers)
-
-
-# -- converted formats: MosaicML Streaming (MDS), LitData -----------------------------------
-def _packed(paths: dict[str, Path]) -> bytes:
-    return msgpack.packb({name: path.read_bytes() for name, path in paths.items()}, use_bin_type=True)
-
-
-def prepare(spec: RunSpec) -> None:
-    """Write the folder's samples in the loader's own format (not timed): one msgpack blob of fields per sample."""
-    items = folder_samples(spec.folder)
-    out = Path(spec.converted)
-    if spec.loader == "streaming":
-        from streaming import MDSWriter
-
-        with MDSWriter(out=str(out), columns={"key": "str", "fields": "bytes"}, size_limit=1 << 26) as writer:
-            for key, paths in items:
-                writer.write({"key": Path(key).name, "fields": _packed(paths)})
-    elif spec.loader == "litdata":
-        import litdata
-
-        litdata.optimize(
-            fn=_litdata_sample,
-            inputs=[[key, {n: str(p) for n, p in paths.items()}] for key, paths in items],
-            output_dir=str(out),
-            chunk_bytes="64MB",
-            num_workers=1,
-            mode="overwrite",
-        )
-
-
-def _litdata_sample(item: list[Any]) -> dict[str, Any]:
-    key, paths = item
-    return {"key": Path(key).name, "fields": _packed({n: Path(p) for n, p in paths.items()})}
-
-
-def run_streaming(spec: RunSpec) -> Iterable[dict[str, Any]]:
-    """MosaicML StreamingDataset (local MDS shards, shuffle on) under torch's DataLoader, ``num_workers`` processes."""
-    import torch.utils.data
-    from streaming import StreamingDataset
-
-    base: Any = StreamingDataset
-    decode = SampleDecoder(decode_config(spec.pipeline))
-
-    class Decoding(base):
-        def __getitem__(self, i: int) -> tuple[str, Decoded]:
-            row = super().__getitem__(i)
-            return row["key"], decode(msgpack.unpackb(row["fields"]), row["key"])
-
-    dataset = Decoding(local=spec.converted, shuffle=True, shuffle_seed=0, batch_size=spec.batch_size)
-    return torch.utils.data.DataLoader(
-        dataset, batch_size=spec.batch_size, num_workers=spec.workers, collate_fn=collate_samples
-    )
-
-
-def run_litdata(spec: RunSpec) -> Iterable[dict[str, Any]]:
-    """LitData's StreamingDataset and StreamingDataLoader over its optimized chunks, shuffle on."""
-    import litdata
-
-    base: Any = litdata.StreamingDataset
-    decode = SampleDecoder(decode_config(spec.pipeline))
-
-    class Decoding(base):
-        def __getitem__(self, i: Any) -> tuple[str, Decoded]:
-            row = super().__getitem__(i)
-            return row["key"], decode(msgpack.unpackb(row["fields"]), row["key"])
-
-    dataset = Decoding(spec.converted, shuffle=True, seed=0)
-    return litdata.StreamingDataLoader(
-        dataset, batch_size=spec.batch_size, num_workers=spec.workers, collate_fn=collate_samples
-    )
-
-
-# -- DALI's CPU pipeline (images) ----------------------------------------------------------
-def run_dali(spec: RunSpec) -> Iterable[dict[str, Any]]:
-    """DALI on the CPU: file reader (shuffled), libjpeg-turbo decode, resize short side 224, centre crop, CHW."""
-    from nvidia.dali import fn, pipeline_def, types
-    from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
-
-    files = [str(paths["jpg"]) for _, paths in folder_samples(spec.folder)]
-
-    @pipeline_def(batch_size=spec.batch_size, num_threads=spec.workers, device_id=None, seed=0)
-    def images() -> Any:
-        jpegs, labels = fn.readers.file(files=files, labels=list(range(len(files))), random_shuffle=True, name="reader")
-        decoded = fn.decoders.image(jpegs, device="cpu", output_type=types.RGB)
-        resized = fn.resize(decoded, resize_shorter=224, interp_type=types.INTERP_LINEAR)
-        return fn.transpose(fn.crop(resized, crop=(224, 224)), perm=[2, 0, 1]), labels
-
-    pipe = images()
-    pipe.build()
-    return DALIGenericIterator(
-        [pipe], ["pixels", "label"], reader_name="reader", last_batch_policy=LastBatchPolicy.PARTIAL
-    )
 
 
 # -- omnifeed ------------------------------------------------------------------------------

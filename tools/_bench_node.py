@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from ._bench_loaders import RunSpec, batch_size_of, start_service
+from ._bench_loaders import batch_size_of, start_service
+from ._bench_spec import RunSpec
 
 LAYOUTS = ("dp", "tp")
 NODE_LOADERS = ("dataloader", "omnifeed-service")
@@ -52,7 +53,8 @@ def _rank_loader(spec: RankSpec) -> Iterable[Any]:
     if spec.loader == "dataloader":
         import torch.utils.data
 
-        from ._bench_loaders import FolderDataset, collate_samples
+        from ._bench_peers import FolderDataset
+        from ._bench_spec import collate_samples
 
         dataset = FolderDataset(run.folder, run.pipeline)
         sampler = torch.utils.data.DistributedSampler(  # type: ignore[var-annotated]

@@ -29,7 +29,7 @@ from omnifeed.loader import (
 )
 from omnifeed.loader.feed import Decoded
 
-from ._bench_loaders import SampleDecoder, folder_samples
+from ._bench_spec import SampleDecoder, folder_samples
 from ._demo_data import DemoDatasetSpec, demo_samples, write_folder, write_webdataset
 
 PATCH_PX = 14  # the token model's vision patch side, pixels (`_bench_training_rank`)

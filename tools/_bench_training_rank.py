@@ -95,7 +95,7 @@ def _loader(spec: TrainingRankSpec) -> Iterable[dict[str, Any]]:
         return FeedClient.in_process(config, rank=spec.rank, world_size=spec.ranks)
     import torch.utils.data
 
-    from ._bench_loaders import collate_samples
+    from ._bench_spec import collate_samples
 
     dataset = TrainingFolder(spec.folder, config.feed.decode)
     sampler = torch.utils.data.DistributedSampler(  # type: ignore[var-annotated]

@@ -8,9 +8,9 @@
     after --minutes: no more faults; the job finishes the epoch in progress; the service stops (SIGTERM)
     then: verify_coverage per epoch over the audit log, /dev/shm and orphan processes, resource figures
 
-What fires when is `_chaos_schedule`; the processes are `_chaos_procs`; the checks and the
-summary `_chaos_report`; the faulty origin `_chaos_storage`. docs/chaos.md says how to read
-the summary. Exit status 0 only if every check passed.
+What the run is and what happened is `_chaos_config`; what fires when is `_chaos_schedule`; the
+processes are `_chaos_procs`; the checks and the summary `_chaos_report`; the faulty origin
+`_chaos_storage`. docs/chaos.md says how to read the summary. Exit status 0 only if every check passed.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,8 +31,9 @@ import yaml
 from omnifeed.loader import IndexConfig, SampleIndex, build_index, read_delivery_logs
 from omnifeed.loader.service import request_metrics
 
-from ._chaos_procs import Job, Service, marked_processes
-from ._chaos_report import Resources, Verdict, render, verify_audit
+from ._chaos_config import ChaosConfig, Tally, config_json
+from ._chaos_procs import Job, Service, marked_processes, reap_orphans
+from ._chaos_report import Resources, Verdict, render, service_storage, verify_audit
 from ._chaos_schedule import KINDS, AuditWatch, Schedule
 from ._chaos_storage import RangeServer
 from ._demo_data import DemoDatasetSpec, write_webdataset
@@ -43,51 +44,6 @@ _MAX_UNEXPECTED = 5  # unexpected failures (a rank or the service dying on its o
 _EXTENSION_S = 120.0  # at most this long past --minutes waiting for a kind that could not fire yet
 _SPIKE_REQUESTS = 10  # a spike lasts until it slowed this many requests, however long it was drawn
 _WORKER_AGE_S = 2.0  # a decode worker is killed only once it has run this long
-
-
-@dataclass(frozen=True)
-class ChaosConfig:
-    """What the soak runs and how hard it hits; the defaults are the long version's."""
-
-    minutes: float
-    out: Path
-    seed: int = 0
-    samples: int = 240
-    shards: int = 6
-    batch_size: int = 4
-    world_sizes: tuple[int, ...] = (1, 2, 3)
-    save_every: int = 2  # steps between checkpoints
-    fail_fraction: float = 0.03  # share of storage requests answered 503
-    latency_s: float = 0.004  # base storage latency per request, seconds
-    spike_factor: float = 10.0
-    spike_s: tuple[float, float] = (2.0, 5.0)  # a spike lasts this long, seconds
-    interval_s: tuple[float, float] = (4.0, 10.0)  # between faults, seconds
-
-    @classmethod
-    def quick(cls, out: Path, seed: int = 0, minutes: float = 0.4) -> ChaosConfig:
-        """The short version for the test suite: a small dataset, 1 or 2 ranks, faults every 1-2.5 s."""
-        return cls(
-            minutes=minutes,
-            out=out,
-            seed=seed,
-            samples=48,
-            shards=3,
-            world_sizes=(1, 2),
-            interval_s=(1.0, 2.5),
-            spike_s=(1.0, 2.5),
-        )
-
-
-@dataclass
-class Tally:
-    """What happened during the run."""
-
-    injected: dict[str, int] = field(default_factory=dict)
-    resizes: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-    jobs: int = 0
-    epochs: int = 0
-    storage: dict[str, int] = field(default_factory=dict)
 
 
 class Soak:
@@ -332,17 +288,17 @@ class Soak:
             "errors_503": server.failures,
             "slowed": server.slowed,
             "spikes": server.spikes,
-            **self._service_storage(),
+            **service_storage(self._metrics.values()),
         }
         server.stop()
-        orphans = self._orphans()
+        orphans = reap_orphans(self.token)
         shm = sorted(_shm_segments() - shm_before)
         shutil.rmtree(self._socket_dir, ignore_errors=True)
         summaries = self.job.summaries() if self.job is not None and finished else []
         self.tally.epochs = max((int(s["next_epoch"]) for s in summaries), default=0)
         audit = verify_audit(index, list(read_delivery_logs([self.audit.path])), self.tally.epochs)
         verdict = Verdict(
-            config=_config_json(self.config),
+            config=config_json(self.config),
             seconds=seconds,
             tally=asdict(self.tally),
             audit=audit,
@@ -352,31 +308,6 @@ class Soak:
         )
         (self.out / "summary.json").write_text(json.dumps(verdict.to_json(), indent=1) + "\n", encoding="utf-8")
         return verdict
-
-    def _service_storage(self) -> dict[str, int]:
-        """Origin reads, retries and errors the service counted, summed over its starts (last snapshot of each)."""
-        totals: dict[str, int] = {}
-        for snapshot in self._metrics.values():
-            remote = snapshot.get("cache", {}).get("remote", {})
-            for name in ("reads", "retries", "errors", "degraded_changes"):
-                totals[f"service_{name}"] = totals.get(f"service_{name}", 0) + int(remote.get(name, 0))
-        return totals
-
-    def _orphans(self) -> list[str]:
-        """Processes of this run still alive after everything stopped (reported, then killed)."""
-        deadline = time.monotonic() + 10
-        left = marked_processes(self.token)
-        while left and time.monotonic() < deadline:
-            time.sleep(0.5)
-            left = marked_processes(self.token)
-        found = []
-        for process in left:
-            try:
-                found.append(f"pid {process.pid} ({' '.join(process.cmdline())[:100]})")
-                process.kill()
-            except Exception:  # noqa: BLE001  gone meanwhile
-                pass
-        return found
 
     def cleanup(self) -> None:
         """After an error or an interrupt: stop whatever still runs (idempotent)."""
@@ -404,10 +335,6 @@ def _age(process: psutil.Process) -> float:
 def _shm_segments() -> set[str]:
     root = Path("/dev/shm")
     return {p.name for p in root.iterdir() if p.name.startswith("omnifeed")} if root.is_dir() else set()
-
-
-def _config_json(config: ChaosConfig) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
 
 
 def run_chaos(config: ChaosConfig, stream: TextIO | None = None) -> int:

@@ -45,6 +45,23 @@ def marked_processes(token: str) -> list[psutil.Process]:
     return found
 
 
+def reap_orphans(token: str) -> list[str]:
+    """Processes of the run ``token`` still alive after everything stopped (reported, then killed)."""
+    deadline = time.monotonic() + 10
+    left = marked_processes(token)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = marked_processes(token)
+    found = []
+    for process in left:
+        try:
+            found.append(f"pid {process.pid} ({' '.join(process.cmdline())[:100]})")
+            process.kill()
+        except Exception:  # noqa: BLE001  gone meanwhile
+            pass
+    return found
+
+
 def describe(process: psutil.Process) -> str:
     """``pid 123 (python -m omnifeed.tools serve ...)``, for reports."""
     try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -237,3 +238,13 @@ def _figure(name: str, spread: dict[str, int]) -> str:
         label = "RSS" if name == "rss" else "workers RSS"
         return f"{label} {spread['start'] / 2**20:.0f}/{spread['end'] / 2**20:.0f}/{spread['max'] / 2**20:.0f} MiB"
     return f"{name} {spread['start']}/{spread['end']}/{spread['max']}"
+
+
+def service_storage(snapshots: Iterable[dict[str, Any]]) -> dict[str, int]:
+    """Origin reads, retries and errors the service counted, summed over its starts (the last snapshot of each)."""
+    totals: dict[str, int] = {}
+    for snapshot in snapshots:
+        remote = snapshot.get("cache", {}).get("remote", {})
+        for name in ("reads", "retries", "errors", "degraded_changes"):
+            totals[f"service_{name}"] = totals.get(f"service_{name}", 0) + int(remote.get(name, 0))
+    return totals

@@ -62,7 +62,9 @@ def _with_ray(config: Any, address: str) -> Any:
     configured = [m for m, pool in pools.items() if pool.get("remote")] or ["image", "video", "audio"]
     for modality in configured:
         pool = pools.get(modality) or config.feed.pool(modality).model_dump()
-        pools[modality] = {**pool, "remote": {**(pool.get("remote") or {}), "address": address}}
+        processes = config.feed.pool(modality).decode_processes  # the local side beside the actors keeps them
+        remote = {**(pool.get("remote") or {}), "address": address}
+        pools[modality] = {**pool, "executor": "ray", "processes": processes, "remote": remote}
     return type(config).model_validate(data)
 
 

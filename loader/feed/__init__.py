@@ -5,7 +5,7 @@ from ._collate import Decoded, collate, uncollate
 from ._config import FeedConfig, PoolConfig
 from ._dealing import DealtSteps
 from ._decoded_codec import encode_decoded
-from ._engine import DecodeEngine, SharedResources, with_index_tokenizer
+from ._engine import DecodeEngine, SharedResources, open_feed_index, with_index_tokenizer
 from ._feed import Feed, Taken
 from ._field_source import FieldSource
 from ._healing import FeedError
@@ -41,6 +41,7 @@ __all__ = [
     "collate",
     "encode_decoded",
     "fields_to_decode",
+    "open_feed_index",
     "to_torch",
     "transform_generators",
     "uncollate",

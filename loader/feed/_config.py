@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,17 +17,26 @@ from ._transform_config import TransformsConfig
 
 
 class PoolConfig(BaseModel):
-    """One modality's decode workers and its bounded ready buffer."""
+    """One modality's decode workers and its bounded ready buffer; ``executor`` says where its fields decode."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    workers: int = Field(default=1, ge=0, description="Threads dedicated to this modality.")
+    executor: Literal["threads", "processes", "ray"] = Field(
+        default="threads",
+        description="Where this modality's fields decode: threads (the pool's own, ``workers`` of them), processes "
+        "(``workers`` decode processes, for decoders that hold the GIL; twice as many pool threads hand tasks over) "
+        "or ray (the actors of ``remote``, default ``{workers: 2}``, beside ``workers`` local threads, which hand "
+        "tasks to ``processes`` if set; 0: on Ray only). Unset: ray with ``remote``, processes with ``processes``, "
+        "else threads.",
+    )
+    workers: int = Field(
+        default=1, ge=0, description="Decode workers of the executor: threads, processes, or local threads beside Ray."
+    )
     processes: int = Field(
         default=0,
         ge=0,
-        description="Worker processes that decode this modality (0: decode in the threads). For decoders that "
-        "hold the GIL; the threads then only hand tasks to the processes and wait, so give twice as many "
-        "threads as processes to keep them busy.",
+        description="Decode processes, with ``workers`` then the pool threads that hand tasks to them (processes: "
+        "0 means as many as ``workers``; ray: the local side's).",
     )
     shared_memory: bool = Field(
         default=True,
@@ -38,8 +47,42 @@ class PoolConfig(BaseModel):
     buffer_samples: int = Field(default=256, ge=1, description="Samples of this modality decoded ahead, at most.")
     buffer_bytes: int = Field(default=512 * 2**20, ge=1, description="Bytes of decoded output held ahead, at most.")
     remote: RemoteConfig | None = Field(
-        default=None, description="Decode workers on a Ray cluster as well (docs/service.md); none when absent."
+        default=None, description="The Ray actors of executor ray (docs/service.md); none for the other executors."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _executor_from_fields(cls, data: Any) -> Any:
+        """Unset, the executor follows the fields (``remote``: ray, ``processes``: processes); ray gets its actors."""
+        if not isinstance(data, dict):
+            return data
+        executor = data.get("executor")
+        if executor is None:
+            executor = "ray" if data.get("remote") is not None else "processes" if data.get("processes") else "threads"
+            data = {**data, "executor": executor}
+        if executor == "ray" and data.get("remote") is None:
+            data = {**data, "remote": {}}
+        return data
+
+    @model_validator(mode="after")
+    def _fields_fit_the_executor(self) -> PoolConfig:
+        if self.processes and self.executor == "threads":
+            raise ValueError(f"processes: {self.processes} decodes in processes: set executor: processes")
+        if self.remote is not None and self.executor != "ray":
+            raise ValueError(f"remote decodes on Ray: set executor: ray (not {self.executor})")
+        if self.executor == "processes" and not self.decode_processes:
+            raise ValueError("executor processes needs workers: 1 or more")
+        return self
+
+    @property
+    def decode_processes(self) -> int:
+        """Decode processes this modality runs (0: it decodes in threads)."""
+        return (self.processes or self.workers) if self.executor == "processes" else self.processes
+
+    @property
+    def threads(self) -> int:
+        """The pool's own threads for this modality: its decoders, or with processes the ones handing tasks over."""
+        return 2 * self.workers if self.executor == "processes" and not self.processes else self.workers
 
 
 def _default_pools() -> dict[str, PoolConfig]:

@@ -6,8 +6,8 @@
         config   the feed config with the index's tokenizer (`with_index_tokenizer`): the decode config, once
         metrics  FeedMetrics
         reader   FieldReader: cache tiers and I/O threads; the decoders — a built-in per modality from
-                 ``config.decode``, the user's over them — in threads or decode processes (pools.<m>.processes);
-                 the Ray actors of pools.<m>.remote
+                 ``config.decode``, the user's over them — where each modality decodes is its one executor
+                 choice (pools.<m>.executor: threads, processes, or the Ray actors of pools.<m>.remote)
         pools    DecodePools: worker threads per modality, shared ones, one per remote slot; None: each
                  pipeline makes its own (a `Feed` on its own engine)
     engine.shared(plan, handover, dealt) ─▶ SharedResources: what feeds on this engine share (the service's streams)
@@ -22,16 +22,32 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..decode import follow_index_tokenizer
-from ..index import SampleIndex
-from ..plan import Plan
+from ..index import MixtureIndex, SampleIndex
+from ..plan import Plan, open_mixture
 from ._config import FeedConfig
 from ._dealing import DealtSteps
 from ._metrics import FeedMetrics
 from ._pipeline import FieldReader, Handover
 from ._pools import DecodePools
+
+
+def open_feed_index(index: SampleIndex | MixtureIndex | str | Path | None, config: FeedConfig | None) -> SampleIndex:
+    """The index a feed reads: ``index`` opened, or with none given the mixture ``config.plan.mixture`` names.
+
+    Raises ValueError for no index and no mixture. (A `MixtureIndex` answers all a feed asks of a
+    `SampleIndex`; it is typed as one here.)
+    """
+    if index is None:
+        if config is None or config.plan.mixture is None:
+            raise ValueError("give the feed an index (a SampleIndex or its directory), or a config with plan.mixture")
+        return open_mixture(config.plan.mixture)  # type: ignore[return-value]
+    if isinstance(index, (SampleIndex, MixtureIndex)):
+        return index  # type: ignore[return-value]
+    return SampleIndex(index)
 
 
 def with_index_tokenizer(config: FeedConfig, index: SampleIndex, users_text_decoder: bool = False) -> FeedConfig:

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from ..index import SampleIndex
+from ..index import MixtureIndex, SampleIndex
 from ..plan import Plan, delivery_record, open_audit_log
 from ._collate import Decoded, collate
 from ._config import FeedConfig
-from ._engine import DecodeEngine, SharedResources, with_index_tokenizer
+from ._engine import DecodeEngine, SharedResources, open_feed_index, with_index_tokenizer
 from ._healing import ErrorBudget, FeedError, SampleFailure, fallback_positions, replacement_slot
 from ._pipeline import PendingBatch, Pipeline, Slot, fields_to_decode
 from ._position import FeedPosition
@@ -50,7 +50,7 @@ class Feed:
 
     def __init__(
         self,
-        index: SampleIndex | str | Path,
+        index: SampleIndex | MixtureIndex | str | Path | None,
         config: FeedConfig | None = None,
         *,
         world_size: int = 1,
@@ -62,7 +62,7 @@ class Feed:
     ) -> None:
         if shared is not None and decoders:
             raise ValueError("decoders belong to the shared field reader: give them to its owner")
-        self.index = index if isinstance(index, SampleIndex) else SampleIndex(index)
+        self.index = open_feed_index(index, config)
         self.config = with_index_tokenizer(config or FeedConfig(), self.index, "text" in (decoders or {}))
         self.plan = shared.plan if shared is not None else Plan.from_index(self.index, self.config.plan)
         self._check_rank(world_size, rank)

@@ -11,7 +11,7 @@
 
 A field decoder wins over its modality's decoder. Without either, a meta field is decoded by
 type (`decode_meta`), the others by the built-in decoders, in this thread or in the modality's
-decode processes (``PoolConfig.processes``; a user's decoder always runs in threads: it may not
+decode processes (``executor: processes``; a user's decoder always runs in threads: it may not
 pickle). A user decoder's exception, or a value the batch cannot hold, is a ``DecodeError``
 with reason ``user`` naming the function, the sample, the field and its file; a
 ``DecodeError`` it raises keeps its own reason (that is how a decoder says the input is bad).
@@ -102,11 +102,10 @@ class FieldDecoders:
         self._decode_json = config.decode.model_dump_json()  # once: tasks send this str, not the model
         for modality in MODALITIES:
             pool = config.pool(modality)
-            if pool.processes and modality not in self.custom:  # a user's decoder may not pickle: it runs in threads
-                scratch = pool.buffer_bytes // pool.processes + SCRATCH_SLACK if pool.shared_memory else 0
-                self._executors[modality] = WorkerProcesses(
-                    pool.processes, context, f"omnifeed-{modality}-decode", scratch
-                )
+            processes = pool.decode_processes
+            if processes and modality not in self.custom:  # a user's decoder may not pickle: it runs in threads
+                scratch = pool.buffer_bytes // processes + SCRATCH_SLACK if pool.shared_memory else 0
+                self._executors[modality] = WorkerProcesses(processes, context, f"omnifeed-{modality}-decode", scratch)
 
     def decode(
         self,

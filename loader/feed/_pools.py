@@ -29,10 +29,11 @@ so workers move to the modality that is running dry. A task's exception goes to 
 
 Threads by default: Pillow and PyAV release the GIL while decoding and resizing (two image
 threads decode 2× one thread), and threads share the index, the plan and the decoded tensors
-without copies. A modality can decode in worker processes instead (``PoolConfig.processes``;
+without copies. A modality can decode in worker processes instead (``PoolConfig.executor: processes``;
 the threads then hand tasks over and wait): the processes write decoded arrays into shared
 memory and the pipe carries headers (``decode/_scratch``), so the decode leaves this GIL.
-With ``remote`` (`_remote`), a modality also has one thread per remote slot of its Ray actors:
+With ``executor: ray`` (`_remote`), a modality also has one thread per remote slot of its Ray actors
+(with ``workers: 0``, only those):
 it takes tasks like a local worker, but only while its actor is up, and runs each with its
 ``RemoteSlot`` (a local worker runs a task with None: decode here).
 """
@@ -144,7 +145,7 @@ class PoolOwner:
 class DecodePools:
     """Worker threads per modality plus shared ones, serving the tasks of one or more owners.
 
-    ``config`` sets the workers (``PoolConfig.workers``, ``shared_workers``) and each owner's
+    ``config`` sets the workers (``PoolConfig.threads``, ``shared_workers``) and each owner's
     default buffers (``buffer_samples``, ``buffer_bytes``). ``on_error``, if given, is also told
     of every task's exception, whichever owner's (after that owner's own ``on_error``): a log hook.
     """
@@ -169,11 +170,11 @@ class DecodePools:
         self._closed = False
         self._threads: list[threading.Thread] = []
         for modality in FIELD_MODALITIES:
-            for i in range(self._limits[modality].workers):
+            for i in range(self._limits[modality].threads):
                 self._start(f"omnifeed-{modality}-{i}", (modality,))
         for i in range(config.shared_workers):
             self._start(f"omnifeed-shared-{i}", None)
-        served = {m for m in FIELD_MODALITIES if self._limits[m].workers} | (
+        served = {m for m in FIELD_MODALITIES if self._limits[m].threads or self._limits[m].executor == "ray"} | (
             set(FIELD_MODALITIES) if config.shared_workers else set()
         )
         self._inline = set(FIELD_MODALITIES) - served  # no worker would ever run these: run at submit
@@ -256,7 +257,7 @@ class DecodePools:
 
     def _backlog_seconds(self, modality: str) -> tuple[float, float]:
         per_task = self._seconds_per_task[modality] or 1e-3  # unmeasured yet: assume cheap
-        backlog = self._queued[modality] * per_task / (self._limits[modality].workers + 1)
+        backlog = self._queued[modality] * per_task / (self._limits[modality].threads + 1)
         ready = sum(owner._ready[modality] for owner in self._owners)
         return backlog, -ready / (self._limits[modality].buffer_samples * max(1, len(self._owners)))
 

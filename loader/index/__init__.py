@@ -2,6 +2,7 @@
 
 from ._build import build_index, write_index_from_tables
 from ._config import IndexConfig
+from ._mixture_index import MixtureIndex, filter_positions
 from ._partition_writer import IndexReport
 from ._ray_build import build_index_ray, check_reachable, import_ray, ray_session
 from ._records import FieldLocation, SampleLengths, ShardSpec
@@ -14,6 +15,7 @@ __all__ = [
     "IndexConfig",
     "IndexReport",
     "IndexedSample",
+    "MixtureIndex",
     "ROW_SCHEMA",
     "SampleIndex",
     "SampleLengths",
@@ -24,6 +26,7 @@ __all__ = [
     "column_kinds",
     "default_workers",
     "expand_sources",
+    "filter_positions",
     "import_ray",
     "ray_session",
     "read_field",

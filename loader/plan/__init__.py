@@ -11,6 +11,9 @@ from ._audit import (
 from ._budget import alone_costs, budget_guidance, suggest_budget
 from ._config import PlanConfig
 from ._cursor import DealingStopped, PlanCursor, Step, steps_left_in_epoch
+from ._mixture import MixtureStream, mixture_stream, open_mixture
+from ._mixture_audit import MixtureCoverageReport, SourceCoverage, verify_mixture
+from ._mixture_config import MixtureConfig, MixturePhaseConfig, MixtureSource
 from ._plan import MicroBatch, Plan
 from ._report import PlanReport
 
@@ -18,18 +21,27 @@ __all__ = [
     "CoverageReport",
     "DealingStopped",
     "MicroBatch",
+    "MixtureConfig",
+    "MixtureCoverageReport",
+    "MixturePhaseConfig",
+    "MixtureSource",
+    "MixtureStream",
     "Plan",
     "PlanConfig",
     "PlanCursor",
     "PlanReport",
+    "SourceCoverage",
     "Step",
     "alone_costs",
     "budget_guidance",
     "delivery_record",
     "delivery_records",
+    "mixture_stream",
     "open_audit_log",
+    "open_mixture",
     "read_delivery_logs",
     "steps_left_in_epoch",
     "suggest_budget",
     "verify_coverage",
+    "verify_mixture",
 ]

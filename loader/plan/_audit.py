@@ -186,6 +186,32 @@ def verify_coverage(index: SampleIndex, epoch: int, records: Iterable[dict[str, 
     after ``S``, of other attempts (their ``"since"``). So a run that crashed and resumed from its
     last checkpoint verifies per committed step.
     """
+    keys, partial = delivered_keys(epoch, records)
+    positions = index.positions_of(keys) if keys else np.empty(0, dtype=np.int64)
+    known = positions >= 0
+    counts = np.bincount(positions[known], minlength=index.num_samples)
+    repeated, absent = np.flatnonzero(counts > 1), np.flatnonzero(counts == 0)
+    unknown_keys = [k for k, ok in zip(keys, known.tolist()) if not ok]
+    return CoverageReport(
+        epoch=epoch,
+        samples=index.num_samples,
+        delivered=len(keys),
+        unique=int((counts > 0).sum()),
+        duplicates=int((counts[repeated] - 1).sum()),
+        missing=int(absent.size),
+        unknown=len(unknown_keys),
+        partial=partial,
+        examples={
+            "duplicated": index.keys(repeated[:_EXAMPLES]),
+            "missing": index.keys(absent[:_EXAMPLES]),
+            "unknown": unknown_keys[:_EXAMPLES],
+        },
+    )
+
+
+def delivered_keys(epoch: int, records: Iterable[dict[str, Any]]) -> tuple[list[str], int]:
+    """The keys the records deliver in ``epoch`` (by `verify_coverage`'s rules), and how many split samples
+    are partial (their segments do not tile)."""
     keys: list[str] = []
     segments: dict[str, list[tuple[int, int]]] = {}
     kept: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -209,23 +235,4 @@ def verify_coverage(index: SampleIndex, epoch: int, records: Iterable[dict[str, 
         pieces.sort()
         keys.extend(key for start, _ in pieces if start == 0)  # each full pass over a sample counts once
         partial += any(b[0] != a[1] for a, b in zip(pieces, pieces[1:])) or pieces[0][0] != 0
-    positions = index.positions_of(keys) if keys else np.empty(0, dtype=np.int64)
-    known = positions >= 0
-    counts = np.bincount(positions[known], minlength=index.num_samples)
-    repeated, absent = np.flatnonzero(counts > 1), np.flatnonzero(counts == 0)
-    unknown_keys = [k for k, ok in zip(keys, known.tolist()) if not ok]
-    return CoverageReport(
-        epoch=epoch,
-        samples=index.num_samples,
-        delivered=len(keys),
-        unique=int((counts > 0).sum()),
-        duplicates=int((counts[repeated] - 1).sum()),
-        missing=int(absent.size),
-        unknown=len(unknown_keys),
-        partial=partial,
-        examples={
-            "duplicated": index.keys(repeated[:_EXAMPLES]),
-            "missing": index.keys(absent[:_EXAMPLES]),
-            "unknown": unknown_keys[:_EXAMPLES],
-        },
-    )
+    return keys, partial

@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from omnifeed.bucketing import BucketingConfig
 
 from .._config import StrictModel
+from ._mixture_config import MixtureConfig
 
 # The budget-mode algorithm: a config fingerprint names the sequence it makes, so one state of an
 # older algorithm never matches (2: issue 29, cells and windows from the data, leftovers evened).
@@ -40,11 +41,24 @@ class PlanConfig(StrictModel):
     bucketing: BucketingConfig | None = Field(
         default=None, description="Length-bucketed, cost-budgeted micro-batches or packing instead of batch_size."
     )
+    mixture: MixtureConfig | None = Field(
+        default=None,
+        description="Train on a weighted blend of indexes (sources, weights or repeats, filters, phases) instead of "
+        "one index: docs/index-and-plan.md, Mixtures.",
+    )
     drop_last: bool = Field(
         default=False,
         description="Drop each epoch's last, short micro-batch (its samples are reported, never silently lost); "
         "fixed-size batches only.",
     )
+
+    @model_validator(mode="after")
+    def _mixture_needs_a_permutation(self) -> PlanConfig:
+        if self.mixture is not None and self.shuffle != "permutation":
+            raise ValueError(
+                f"a mixture interleaves its sources' own permutations: set shuffle: permutation, not {self.shuffle}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _drop_last_needs_fixed_batches(self) -> PlanConfig:
@@ -61,5 +75,9 @@ class PlanConfig(StrictModel):
             }
             if self.bucketing.mode == "budget":
                 values["budget_algorithm"] = BUDGET_ALGORITHM
+        if self.mixture is not None:  # the sources' data is in the index fingerprint, not their paths
+            values["mixture"] = self.mixture.schedule_fingerprint_values()
+        else:
+            values.pop("mixture")  # the fingerprints of plans before mixtures stay as they were
         payload = json.dumps(values, sort_keys=True)
         return xxhash.xxh3_64_hexdigest(payload.encode())

@@ -43,9 +43,11 @@ from omnifeed.bucketing import (
 )
 
 from .._errors import OmnifeedError
+from ..index import MixtureIndex
 from ._bucket_plan import BucketPlan, bucket_plan
 from ._config import PlanConfig
 from ._micro_batch import _NOTHING, LengthSource, MicroBatch, WindowPlan
+from ._mixture import MixtureStream, mixture_stream
 from ._permutation import KeyedPermutation
 from ._stream import TAG_ORDER, SampleStream
 
@@ -70,6 +72,7 @@ class Plan:
         by_shard: np.ndarray | None = None,
         lengths: LengthSource | None = None,
         describe: Callable[[int], str] | None = None,
+        mixture: MixtureStream | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError("the plan needs at least one sample; the index is empty")
@@ -92,7 +95,8 @@ class Plan:
                 raise ValueError("bucketing needs the index's lengths (Plan.from_index provides them)")
             self.window_size = config.window_size or _BUCKETED_WINDOW
         self.dropped_per_epoch = num_samples % batch if config.drop_last and self.bucketing is None else 0
-        self._stream = SampleStream(
+        self.mixture = mixture
+        self._stream: SampleStream | MixtureStream = mixture or SampleStream(
             num_samples,
             config.seed,
             config.shuffle,
@@ -119,8 +123,13 @@ class Plan:
             self.window_size = self._bucket_plan.window
 
     @classmethod
-    def from_index(cls, index: SampleIndex, config: PlanConfig) -> Plan:
-        """The plan of ``config`` over an opened index."""
+    def from_index(cls, index: SampleIndex | MixtureIndex, config: PlanConfig) -> Plan:
+        """The plan of ``config`` over an opened index (a `MixtureIndex` for a config with a mixture).
+
+        Raises ValueError when the index and the config disagree on being a mixture, or on its sources.
+        """
+        if config.mixture is not None or isinstance(index, MixtureIndex):
+            return cls._of_mixture(index, config)
         return cls(
             index.num_samples,
             config,
@@ -131,16 +140,39 @@ class Plan:
             describe=lambda position: f"{index.keys([position])[0]!r} (position {position})",
         )
 
+    @classmethod
+    def _of_mixture(cls, index: SampleIndex | MixtureIndex, config: PlanConfig) -> Plan:
+        if config.mixture is None or not isinstance(index, MixtureIndex):
+            raise ValueError(
+                "a mixture index needs plan.mixture, and plan.mixture a mixture index: open it with "
+                "open_mixture(config.plan.mixture) (Feed and the service do when given no index)"
+            )
+        if list(config.mixture.sources) != index.names:
+            raise ValueError(f"plan.mixture's sources {list(config.mixture.sources)} are not the index's {index.names}")
+        stream = mixture_stream(config.mixture, index.sizes.tolist(), config.seed)
+        return cls(
+            stream.num_samples,
+            config,
+            index_fingerprint=index.fingerprint,
+            lengths=index.length_columns,
+            describe=lambda position: f"{index.keys([position])[0]!r} (position {position})",
+            mixture=stream,
+        )
+
     def with_config(self, config: PlanConfig) -> Plan:
         """The plan of another config over the same index (its lengths, shards and sample names)."""
+        mixture = self.mixture
+        if mixture is not None and config.mixture is not None:
+            mixture = mixture_stream(config.mixture, mixture.schedule.sizes.tolist(), config.seed)
         return Plan(
-            self.num_samples,
+            mixture.num_samples if mixture is not None else self.num_samples,
             config,
             index_fingerprint=self.index_fingerprint,
             shard_sizes=self._shard_sizes,
             by_shard=self._by_shard,
             lengths=self._lengths,
             describe=self._describe,
+            mixture=mixture,
         )
 
     @property
@@ -168,6 +200,8 @@ class Plan:
 
     def _probe_lengths(self, size: int) -> dict[str, np.ndarray]:
         """Stream lengths of an even sample of ``size`` positions of the index (what buckets are estimated from)."""
+        if self.mixture is not None:  # a run of the mixed stream is an even sample of the mixture, in its shares
+            return self.stream_lengths(self.mixture.slice(0, 0, min(self.num_samples, size)))
         probe = np.unique(np.linspace(0, self.num_samples - 1, min(self.num_samples, size)).astype(np.int64))
         return self.stream_lengths(probe)
 
@@ -184,6 +218,7 @@ class Plan:
     def windows_per_epoch(self, epoch: int) -> int:
         """How many windows the epoch's stream is cut into (before any borrowing)."""
         if self.config.shuffle == "shard_block":
+            assert isinstance(self._stream, SampleStream)  # a mixture is a permutation (its config says so)
             return len(self._stream.shard_window_starts(epoch)) - 1
         return -(-self.num_samples // self.window_size)
 
@@ -192,6 +227,7 @@ class Plan:
         if window >= windows:
             return self.num_samples
         if self.config.shuffle == "shard_block":
+            assert isinstance(self._stream, SampleStream)
             return int(self._stream.shard_window_starts(epoch)[window + 1])
         if self._equal_windows:  # windows of equal size (within one sample): the last is no small remainder
             return (window + 1) * self.num_samples // windows
@@ -253,6 +289,8 @@ class Plan:
         last = next_start >= self.num_samples
         if self.bucketing is not None and len(batches) > 1:
             order = self._deal_order(epoch, window, costs, budget, last)
+            if self.mixture is not None and self.config.mixture is not None and self.config.mixture.interleave:
+                order = self.mixture.interleave([batches[i] for i in order], order)
             batches, costs, packs = [batches[i] for i in order], [costs[i] for i in order], [packs[i] for i in order]
         micro_batches = tuple(
             MicroBatch(epoch, first_index + i, window, b, c, p, last and i == len(batches) - 1)

@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .._config import load_yaml, validated
 from .._config_paths import SERVICE_PATHS, resolve_paths
@@ -23,9 +23,10 @@ class ServiceConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    index: str = Field(
+    index: str | None = Field(
+        default=None,
         description="The index directory (`omnifeed index`); a relative path in YAML is relative to "
-        "the YAML file's folder, as every path of the file is."
+        "the YAML file's folder, as every path of the file is. None: the sources of feed.plan.mixture.",
     )
     feed: FeedConfig = Field(default_factory=FeedConfig, description="The feed engine: plan, decoding, pools, cache.")
     socket: str = Field(
@@ -78,6 +79,14 @@ class ServiceConfig(BaseModel):
         description="The micro-batches all streams' steps deal together (each stream deals "
         "its whole step); a new stream past it closes streams without clients, else its hello gets `busy`.",
     )
+
+    @model_validator(mode="after")
+    def _an_index_or_a_mixture(self) -> ServiceConfig:
+        if self.index is None and self.feed.plan.mixture is None:
+            raise ValueError("give the service an index (its directory), or feed.plan.mixture with its sources")
+        if self.index is not None and self.feed.plan.mixture is not None:
+            raise ValueError("feed.plan.mixture names the indexes it reads: drop index (or the mixture)")
+        return self
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServiceConfig:

@@ -42,8 +42,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from ..feed import DealtSteps, DecodeEngine
-from ..index import SampleIndex
+from ..feed import DealtSteps, DecodeEngine, open_feed_index
 from ..plan import Plan
 from ._attempts import AttemptLog
 from ._config import ServiceConfig
@@ -64,7 +63,7 @@ class FeedService:
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.attempts = AttemptLog(config.audit_log)
-        self.index = SampleIndex(config.index)
+        self.index = open_feed_index(config.index, config.feed)  # one index, or a mixture's sources
         # the decoder tokenizes as the index counted (refused at start when set otherwise)
         self.engine = engine = DecodeEngine.build(self.index, config.feed, on_error=_pool_error)
         self.config = config = config.model_copy(update={"feed": engine.config})

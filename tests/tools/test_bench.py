@@ -86,7 +86,8 @@ def test_unknown_loader_is_a_usage_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("layout", ["files", "shards"])
 def test_takes_a_users_images_as_files_or_shards(tmp_path: Path, layout: str) -> None:
-    from omnifeed.tools._bench import BenchConfig, _shards_to_folder, prepare_datasets, write_images
+    from omnifeed.tools._bench_config import BenchConfig
+    from omnifeed.tools._bench_dataset import _shards_to_folder, prepare_datasets, write_images
 
     shards = write_images(tmp_path / "given-shards", 12)
     given = tmp_path / "given"

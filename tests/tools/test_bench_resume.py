@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from omnifeed.tools._bench_resume import run_resume_bench, shift_torchdata_state, torchdata_state
+from omnifeed.tools._bench_resume import run_resume_bench
+from omnifeed.tools._bench_resume_torchdata import shift_torchdata_state, torchdata_state
 
 
 def test_every_loader_resumes_at_the_right_batch(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from omnifeed.tools._cli import main
-from omnifeed.tools._stats import limiting, render_stats, wait_share
+from omnifeed.tools._stats import render_stats
+from omnifeed.tools._stats_limit import limiting, wait_share
 
 
 def snapshot(

@@ -76,3 +76,64 @@ def test_a_tokenizer_other_than_the_index_s_is_refused_before_anything_starts(in
     with pytest.raises(ValueError, match="differs from the index's tokenizer"):
         DecodeEngine.build(index, other)
     assert threads() == before
+
+
+def test_where_a_modality_decodes_is_one_executor_choice_with_the_same_bytes(
+    index: SampleIndex, tmp_path: Path
+) -> None:
+    (tmp_path / "feed.yaml").write_text(
+        "plan: {seed: 3, batch_size: 4}\n"
+        "shared_workers: 0\n"
+        "pools:\n"
+        "  image: {executor: processes, workers: 1}\n"
+        "  video: {executor: threads, workers: 1}\n"
+        "  audio: {workers: 1}\n"
+        "  text: {workers: 1}\n"
+    )
+    config = FeedConfig.from_yaml(tmp_path / "feed.yaml")
+    assert [config.pool(m).executor for m in ("image", "video", "audio")] == ["processes", "threads", "threads"]
+    engine = DecodeEngine.build(index, config)
+    try:
+        names = sorted(t.name for t in threads() if t.name.startswith(("omnifeed-image", "omnifeed-video")))
+        assert names == ["omnifeed-image-0", "omnifeed-image-1", "omnifeed-video-0"]  # two hand tasks to one process
+        assert set(engine.reader.decoders._executors) == {"image"}  # noqa: SLF001  only image decodes in processes
+        with Feed(index, config, shared=engine.shared(Plan.from_index(index, engine.config.plan))) as feed:
+            got = [feed.next_batch() for _ in range(3)]
+    finally:
+        engine.close()
+    with Feed(index, CONFIG) as feed:
+        expected = [feed.next_batch() for _ in range(3)]
+    assert any("image" in a for a in got)  # the processes decoded some
+    for a, b in zip(got, expected):
+        assert a["__key__"] == b["__key__"]
+        for modality in ("image", "video", "audio"):
+            assert (modality in a) == (modality in b)
+            if modality in a:
+                x, y = a[modality], b[modality]
+                assert all(u.equal(v) for u, v in zip(x.values(), y.values())) if isinstance(x, dict) else x.equal(y)
+
+
+@pytest.mark.parametrize(
+    ("pool", "says"),
+    [
+        ("{executor: threads, processes: 2}", "set executor: processes"),
+        ("{executor: processes, remote: {workers: 1}}", "set executor: ray"),
+        ("{executor: processes, workers: 0}", "needs workers: 1 or more"),
+    ],
+)
+def test_fields_of_another_executor_are_refused_in_one_line_that_names_the_choice(
+    tmp_path: Path, pool: str, says: str
+) -> None:
+    (tmp_path / "feed.yaml").write_text(f"pools:\n  image: {pool}\n")
+    with pytest.raises(ValueError, match=says) as refused:
+        FeedConfig.from_yaml(tmp_path / "feed.yaml")
+    assert "pools.image" in str(refused.value) and len(str(refused.value).splitlines()) == 1
+
+
+def test_the_spellings_before_the_executor_choose_it() -> None:
+    from omnifeed.loader import PoolConfig
+
+    assert PoolConfig(workers=4, processes=2).executor == "processes"
+    assert (PoolConfig(workers=4, processes=2).threads, PoolConfig(workers=4, processes=2).decode_processes) == (4, 2)
+    assert PoolConfig(remote={"workers": 1}).executor == "ray"
+    assert PoolConfig(executor="ray", workers=0).remote is not None  # Ray only: the default actors

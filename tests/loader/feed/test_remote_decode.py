@@ -269,3 +269,18 @@ def test_remote_workers_come_back_with_the_cluster_and_go_when_it_goes(
     assert remote_decoded > 0  # the actors decoded while the cluster was up
     assert snapshot["outages"] == 2 and all(m["workers"] == 0 for m in snapshot["modalities"].values()), snapshot
     assert len([r for r in caplog.records if "unreachable" in r.getMessage()]) == 2  # one warning per outage
+
+
+def test_a_pool_with_no_local_workers_and_executor_ray_decodes_every_field_on_the_actors(
+    cluster: Any, index_dir: Path, local_batches: list[dict[str, Any]]
+) -> None:
+    config = remote_config()
+    pools = {**config.pools, "image": PoolConfig(executor="ray", workers=0, remote=REMOTE)}
+    with Feed(index_dir, config.model_copy(update={"pools": pools})) as feed:
+        wait_for_actors(remote_of(feed))
+        got = numpy_batches(feed)
+        stats = remote_of(feed).snapshot()["modalities"]
+    assert [b["__key__"] for b in got] == [b["__key__"] for b in local_batches]
+    assert all(same_values(g, e) for g, e in zip(got, local_batches))
+    images = sum(len(b["image"]["sizes"]) for b in got if "image" in b)
+    assert images > 0 and stats["image"]["decoded"] == images, stats  # none decoded here: no local worker

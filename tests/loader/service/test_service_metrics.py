@@ -10,7 +10,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omnifeed.loader.service._metrics import METRICS, MetricsServer, quantile_label, start_metrics_server
+from omnifeed.loader.service._metric_specs import METRICS
+from omnifeed.loader.service._metrics import MetricsServer, start_metrics_server
+from omnifeed.loader.service._metrics_collector import quantile_label
 
 SNAPSHOT: dict[str, Any] = {
     "service": {

@@ -15,7 +15,7 @@ from omnifeed.loader.feed._config import PoolConfig
 from omnifeed.loader.feed._remote_config import RemoteConfig
 from omnifeed.loader.plan._audit import verify_coverage
 from omnifeed.loader.service._config import ServiceConfig
-from omnifeed.loader.service._metrics import ServiceCollector
+from omnifeed.loader.service._metrics_collector import ServiceCollector
 from omnifeed.loader.service._server import FeedService
 from omnifeed.tools._stats import render_stats
 from omnifeed.trainer_adapter import FeedClient
