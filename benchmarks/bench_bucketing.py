@@ -49,7 +49,8 @@ def lengths(samples: int, kind: str, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def mix_lengths(samples: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """A long-tailed multimodal corpus: documents; photos + captions; clips + captions (some with speech); speech + transcripts.
+    """A long-tailed multimodal corpus: documents; photos + captions; clips + captions (some with speech); speech +
+    transcripts.
 
     35 % text documents (tokens log-normal, median ~400, tail to 8,192); 35 % photos (side
     log-normal around 700 px, aspect ratios log-normal) with captions (median ~25 tokens, tail

@@ -73,7 +73,9 @@ class RangedImages(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> torch.Tensor:
         url, offset, size, key = self.locations[i]
         fs, path = fsspec.core.url_to_fs(url)
-        return torch.from_numpy(self.decode(fs.cat_file(path, start=offset, end=offset + size), key))  # type: ignore[arg-type]
+        return torch.from_numpy(
+            self.decode(fs.cat_file(path, start=offset, end=offset + size), key)  # type: ignore[arg-type]
+        )
 
 
 def _serve(root: Path, delay: Any, ready: Any) -> None:

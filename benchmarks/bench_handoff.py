@@ -106,7 +106,8 @@ def batch_bytes(batch: dict[str, Any]) -> int:
 
 # -- the service side: a feed that deals micro-batches without decoding ----------------------
 def premade_take(samples: list[dict[str, Any]], keys: list[str]) -> Callable[[Feed], Taken]:
-    """A ``Feed.take`` that deals the next micro-batch like the feed's pipeline, with ``samples`` as its decoded samples.
+    """A ``Feed.take`` that deals the next micro-batch like the feed's pipeline, with ``samples`` as its decoded
+    samples.
 
     ``keys``: every sample key of the index, by position (read once: ``SampleIndex.keys`` costs
     ~0.75 ms a call whatever the batch size, index work that is not the hand-off either).
@@ -182,7 +183,8 @@ class ServiceProcess:
 
 # -- the DataLoader side ----------------------------------------------------------------------
 class SharedBatches(tud.Dataset):
-    """Item ``i``: the pictures collated (omnifeed's `collate`) into fresh torch shared memory, as a worker's collate does."""
+    """Item ``i``: the pictures collated (omnifeed's `collate`) into fresh torch shared memory, as a worker's collate
+    does."""
 
     def __init__(self, samples: list[dict[str, Any]], keys: list[str], info: dict[str, Any], length: int) -> None:
         self.samples, self.keys, self.info, self.length = samples, keys, info, length
@@ -233,7 +235,8 @@ def drive(
     producers: Callable[[], list[int]],
     expected: int,
 ) -> dict[str, Any]:
-    """Take ``warmup`` then ``batches`` batches, touching one byte of each and dropping it; the figures of the latter."""
+    """Take ``warmup`` then ``batches`` batches, touching one byte of each and dropping it; the figures of the
+    latter."""
     for _ in range(max(1, warmup)):
         batch = next_batch()
         nbytes = batch_bytes(batch)

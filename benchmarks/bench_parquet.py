@@ -17,8 +17,9 @@ short side 64, centre crop, the default pools) runs over each layout in a fresh 
 every epoch is a first epoch (no page or file kept from an earlier one), the layouts taking
 turns round after round. Reported: each layout's median samples/s over ``--rounds``, its ratio
 to tar (``vs_tar``: the median over rounds of its rate over tar's in the same round, which the
-load of a shared machine moves less than either; also the ratio of the medians), and what one ``read_field`` of an image costs (``--cells`` random cells read one
-by one in a fresh process: mean, median and the first). ``--quick`` (a smoke test): 64 images, one round. Prints one JSON object.
+load of a shared machine moves less than either; also the ratio of the medians), and what one ``read_field`` of an image
+costs (``--cells`` random cells read one by one in a fresh process: mean, median and the first). ``--quick`` (a smoke
+test): 64 images, one round. Prints one JSON object.
 
 Run with ``PYTHONPATH`` naming a folder whose ``omnifeed`` is another checkout, it measures that
 checkout (the "before" figures of benchmarks/RESULTS.md).

@@ -108,7 +108,8 @@ def check_index(setup: Setup, rows: int) -> dict[str, Any]:
 
 
 def deep_state(setup: Setup, fraction: float) -> tuple[dict[str, Any], float]:
-    """A feed state at world size ``W0``, ``fraction`` of the way into epoch 0 (a stepped `PlanCursor`), and its cost in s."""
+    """A feed state at world size ``W0``, ``fraction`` of the way into epoch 0 (a stepped `PlanCursor`), and its cost in
+    s."""
     index = SampleIndex(setup.index)
     started = time.perf_counter()
     cursor = PlanCursor(Plan.from_index(index, setup.feed_config().plan), world_size=W0)
@@ -279,7 +280,8 @@ def summary(per_client: list[dict[str, float]]) -> dict[str, Any]:
 def service_run(setup: Setup, start: dict[str, Any] | None, profile: Path | None = None) -> dict[str, Any]:
     """4 → 3 → 6 ranks through a fresh service, from ``start`` (None: the plan's start).
 
-    ``profile``: a path prefix for ``py-spy`` records of the service during each change (``-shrink.txt``, ``-grow.txt``).
+    ``profile``: a path prefix for ``py-spy`` records of the service during each change (``-shrink.txt``,
+    ``-grow.txt``).
     """
     service = Service(setup)
     size, steps = setup.batch_size, setup.steps

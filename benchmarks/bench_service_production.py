@@ -2,7 +2,8 @@
 
     python benchmarks/bench_service_production.py [--samples 1024] [--batch 8] [--epochs 3] [--rounds 3]
                                                   [--compute-ms 0] [--work DIR] [--out FILE.json]
-                                                  [--service-feed JSON] [--service-config JSON] [--instrument MOD:NAME ...]
+                                                  [--service-feed JSON] [--service-config JSON]
+                                                  [--instrument MOD:NAME ...]
 
 The data: the demo generator's four-modality mix (`omnifeed.tools._demo_data`: images with
 captions, text, short H.264 clips, FLAC audio, JSON meta; images 160–640 px as `omnifeed bench`'s
@@ -29,8 +30,8 @@ covering production: none). The service and the feeds also report their CPU per 
 pools per modality, stream producers, connection threads, I/O, scheduler), read from
 ``/proc`` by thread id, so the table says where each side's CPU went; ``--instrument`` adds up the
 service's CPU inside named functions (``time.thread_time``, no profiler). ``--service-feed`` (`FeedConfig`
-fields) and ``--service-config`` (`ServiceConfig` fields) change the service only (A/B runs). Rounds alternate the order; medians.
-Writes ``--out`` (JSON) and prints a table with the service's ratios to the feeds.
+fields) and ``--service-config`` (`ServiceConfig` fields) change the service only (A/B runs). Rounds alternate the
+order; medians. Writes ``--out`` (JSON) and prints a table with the service's ratios to the feeds.
 
     python benchmarks/bench_service_production.py --child SPEC_JSON   (a rank or the service; the parent runs it)
 """

@@ -194,7 +194,8 @@ def main() -> None:
         ]
         ratio = f"{row['median_ms'] / base[0]['median_ms']:.2f}×" if base else "—"
         print(
-            f"{row['data']:7s} {row['mode']:5s} {row['loader']:11s} {row['median_ms']:10.3f} {row['p90_ms']:8.3f} {ratio:>14s}"
+            f"{row['data']:7s} {row['mode']:5s} {row['loader']:11s} {row['median_ms']:10.3f} {row['p90_ms']:8.3f} "
+            f"{ratio:>14s}"
         )
     args.out.write_text(json.dumps(results, indent=2) + "\n")
 

@@ -192,7 +192,8 @@ def assemble_budget(
     carry: int = 0,
     lookahead_ends_epoch: bool = False,
 ) -> Assembled:
-    """Bucket, fill to ``budget``, borrow from the lookahead and carry light leftovers; ``lengths``/``buckets`` align with ``positions``.
+    """Bucket, fill to ``budget``, borrow from the lookahead and carry light leftovers; ``lengths``/``buckets`` align
+    with ``positions``.
 
     ``carry``: at most this many samples of light micro-batches go to `Assembled.carry` (0 for
     a window that ends its epoch); ``lookahead_ends_epoch``: the lookahead runs to the epoch's

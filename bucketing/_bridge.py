@@ -23,7 +23,8 @@ from ._leftovers import _LIGHT, _even_cut, _padded, _Weights
 _RATIO = 1.025  # bridged costs step by at most this ratio: W consecutive within ~10 % for W up to 8
 _FLUID = 8  # a micro-batch of at least this many samples can be cut into pieces
 _FULL = 0.85  # a source micro-batch costs at least this fraction of the budget
-_SPARE = 4  # budgets' worth of source samples left after the pieces: cut into ceil(left / budget) parts or one more, none light
+# budgets' worth of source samples left after the pieces: cut into ceil(left / budget) parts or one more, none light
+_SPARE = 4
 _GRAIN = 0.05  # a bucket bridges a target only if its short samples cost under this fraction of it
 _SHARE = 0.1  # bridges add at most this share to the window's micro-batches (per pass) ...
 _FEW = 32  # ... or this many, in a small window
@@ -31,7 +32,8 @@ _PASSES = 4
 
 
 def _jumps(costs: np.ndarray, budget: float) -> list[list[float]]:
-    """Per jump wider than `_RATIO` between the sorted costs within the budget, the costs that step across it; widest first."""
+    """Per jump wider than `_RATIO` between the sorted costs within the budget, the costs that step across it; widest
+    first."""
     values = np.unique(costs[(costs > 0) & (costs <= budget)])
     out: list[tuple[float, list[float]]] = []
     for low, high in zip(values[:-1].tolist(), values[1:].tolist()):

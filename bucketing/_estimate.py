@@ -21,7 +21,8 @@ from ._cost import CostModel, sample_costs
 
 
 def _groups(keys: np.ndarray, costs: np.ndarray, budget: float) -> tuple[np.ndarray, np.ndarray]:
-    """Order (by key, then cost) and group id of each sample: cut where the running cost within a key crosses a budget."""
+    """Order (by key, then cost) and group id of each sample: cut where the running cost within a key crosses a
+    budget."""
     order = np.lexsort([costs, keys])
     key, cost = keys[order], costs[order]
     starts = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))

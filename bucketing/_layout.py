@@ -253,7 +253,8 @@ def choose_window_layout(
     *,
     target: float = 0.027,
 ) -> MixLayout:
-    """The layout for the smallest of ``windows`` (ascending sample counts) whose estimate is under ``target`` in every stream.
+    """The layout for the smallest of ``windows`` (ascending sample counts) whose estimate is under ``target`` in every
+    stream.
 
     When none is, the layout of the window whose worst stream is estimated lowest (ties: the
     smaller window). Raises ValueError for no window.

@@ -261,7 +261,8 @@ def _even_cut(
 
 
 def light_to_carry(costs: Sequence[float], sizes: Sequence[int], budget: float, limit: int) -> list[int]:
-    """Indices of the light micro-batches (under 0.75 of ``budget``) to carry to the next window, at most ``limit`` samples.
+    """Indices of the light micro-batches (under 0.75 of ``budget``) to carry to the next window, at most ``limit``
+    samples.
 
     Only leftovers with room for one more sample like their longest (cost × (n + 1) / n within
     budget): a lone sample costing 0.6 of the budget is as light in any window, so it stays.

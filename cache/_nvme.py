@@ -57,7 +57,8 @@ class NvmeTier(EntryQueue):
 
     @staticmethod
     def is_own_file(name: str) -> bool:
-        """Whether a file called ``name`` in a tier's directory is one the tier keeps there (or a secret being written)."""
+        """Whether a file called ``name`` in a tier's directory is one the tier keeps there (or a secret being
+        written)."""
         return name in FILES or name.startswith(DRAFT_PREFIX)
 
     def __init__(self, config: NvmeTierConfig) -> None:

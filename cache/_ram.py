@@ -257,7 +257,8 @@ class RamTier(RingArena):
         return True
 
     def discard(self, key: bytes) -> None:
-        """Forget an entry a reader found unusable (a later ``put`` stores anew); the ring reclaims its bytes in turn."""
+        """Forget an entry a reader found unusable (a later ``put`` stores anew); the ring reclaims its bytes in
+        turn."""
         k0, k1 = split_key(key)
         with self._locked():
             i = self._find(k0, k1)

@@ -1,4 +1,5 @@
-"""The RAM tier segment's body: an open-addressing slot table and a ring arena of entries, with frequency-guarded eviction.
+"""The RAM tier segment's body: an open-addressing slot table and a ring arena of entries, with frequency-guarded
+eviction.
 
 Layout of the segment (all little-endian)::
 

@@ -137,7 +137,8 @@ class RemoteTier:
         return self.read(url, reader)
 
     def read(self, url: str, reader: Callable[[], bytes]) -> bytes:
-        """Run ``reader`` (which reads from ``url``) under the timeout, retrying transient errors (`is_transient`) with backoff.
+        """Run ``reader`` (which reads from ``url``) under the timeout, retrying transient errors (`is_transient`) with
+        backoff.
 
         A local file is read in the calling thread, without the time-out's thread hand-off.
 

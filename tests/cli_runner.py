@@ -121,7 +121,8 @@ class _Zygote:
 
 
 class CliRunner:
-    """`omnifeed ARGS` in forked processes; ``run`` answers as ``subprocess.run(..., capture_output=True, text=True)``."""
+    """`omnifeed ARGS` in forked processes; ``run`` answers as
+    ``subprocess.run(..., capture_output=True, text=True)``."""
 
     def __init__(self) -> None:
         first = random.randrange(1, 2**31)

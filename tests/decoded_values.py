@@ -1,4 +1,5 @@
-"""Decoded values compared exactly: arrays by dtype, shape and bytes, through dicts and lists (the feed tests' check)."""
+"""Decoded values compared exactly: arrays by dtype, shape and bytes, through dicts and lists (the feed tests'
+check)."""
 
 from __future__ import annotations
 

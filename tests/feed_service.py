@@ -50,10 +50,10 @@ def write_config(
 
 
 class ServiceProcess:
-    """`omnifeed serve --config CONFIG` in a subprocess."""
+    """`omnifeed serve --config CONFIG [ARGS...]` in a subprocess."""
 
-    def __init__(self, config: Path, socket: Path) -> None:
-        self.config, self.socket = config, socket
+    def __init__(self, config: Path, socket: Path, args: tuple[str, ...] = ()) -> None:
+        self.config, self.socket, self.args = config, socket, args
         self.process: subprocess.Popen[str] | None = None
         # What it prints goes to a file, not a pipe: a service that serves many tests must never block on a full pipe.
         self._log = tempfile.TemporaryFile(mode="w+", encoding="utf-8")
@@ -62,7 +62,7 @@ class ServiceProcess:
     def start(self, timeout: float = 60.0) -> ServiceProcess:
         """Start and wait until the service answers a metrics request."""
         self.process = subprocess.Popen(
-            [sys.executable, "-c", _SERVE, "serve", "--config", str(self.config)],
+            [sys.executable, "-c", _SERVE, "serve", "--config", str(self.config), *self.args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             text=True,
@@ -101,7 +101,8 @@ class ServiceProcess:
 
 
 def start_service(index_dir: Path, socket: Path, audit: Path) -> FeedService:
-    """The feed service in this process (what `omnifeed serve` runs), plan seed 3, batch size 4, auditing to ``audit``."""
+    """The feed service in this process (what `omnifeed serve` runs), plan seed 3, batch size 4, auditing to
+    ``audit``."""
     config = ServiceConfig(
         index=str(index_dir),
         feed=FeedConfig(plan=PlanConfig(seed=3, batch_size=4)),

@@ -1,4 +1,5 @@
-"""The HTTP origin of the storage tests: `omnifeed.tools._chaos_storage.RangeServer` (Range support, injectable latency and errors)."""
+"""The HTTP origin of the storage tests: `omnifeed.tools._chaos_storage.RangeServer` (Range support, injectable latency
+and errors)."""
 
 from __future__ import annotations
 

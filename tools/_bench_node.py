@@ -78,7 +78,8 @@ def _rank_loader(spec: RankSpec) -> Iterable[Any]:
 
 
 def run_rank(spec: RankSpec) -> dict[str, Any]:
-    """Build the loader, say ready, wait for "go" on stdin, take one epoch: samples and seconds after the first batch."""
+    """Build the loader, say ready, wait for "go" on stdin, take one epoch: samples and seconds after the first
+    batch."""
     loader = _rank_loader(spec)
     print("ready", flush=True)
     sys.stdin.readline()

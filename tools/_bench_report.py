@@ -51,7 +51,8 @@ def render_table(report: dict[str, Any]) -> str:
 def render_resume(rows: list[dict[str, Any]]) -> str:
     """The resume-cost rows as a Markdown table."""
     lines = [
-        "\nresume mid-epoch (time from a fresh process holding the dataset to the first batch after the saved position)\n",
+        "\nresume mid-epoch (time from a fresh process holding the dataset to the first batch after the saved "
+        "position)\n",
         "| loader | samples | position | resume s | peak RSS MiB | state bytes | open s | status |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
@@ -71,7 +72,8 @@ def _resume_name(row: dict[str, Any]) -> str:
 
 
 def write_plot(report: dict[str, Any], path: Path) -> Path | None:
-    """Throughput per loader and pipeline (with the decode limit) and resume time per loader, as one PNG; None without matplotlib."""
+    """Throughput per loader and pipeline (with the decode limit) and resume time per loader, as one PNG; None without
+    matplotlib."""
     try:
         import matplotlib
 

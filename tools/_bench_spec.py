@@ -34,7 +34,8 @@ class RunSpec:
 
 
 def decode_config(pipeline: str, draft: bool = False) -> DecodeConfig:
-    """The decode work of ``pipeline``: images to 224×224 (short side, centre crop); other modalities as configured by default."""
+    """The decode work of ``pipeline``: images to 224×224 (short side, centre crop); other modalities as configured by
+    default."""
     return DecodeConfig(image=ImageDecodeConfig(resize="short_side", size=224, crop="center", draft=draft))
 
 
@@ -61,7 +62,8 @@ class SampleDecoder:
 
 
 def collate_samples(samples: list[tuple[str, Decoded]]) -> dict[str, Any]:
-    """omnifeed's batch format for the peers (the same padding work the feed does), as torch tensors as the feed hands it out."""
+    """omnifeed's batch format for the peers (the same padding work the feed does), as torch tensors as the feed hands
+    it out."""
     from omnifeed.loader.feed import to_torch
 
     batch: dict[str, Any] = to_torch(collate([s for _, s in samples], [k for k, _ in samples], {}))

@@ -174,7 +174,8 @@ def job_figures(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def calibrate(figures: dict[str, Any]) -> dict[str, float]:
-    """c of each point from the DataLoader's run without compute: data-heavy compute = half its production time a step."""
+    """c of each point from the DataLoader's run without compute: data-heavy compute = half its production time a
+    step."""
     data_heavy = DATA_HEAVY_SHARE * figures["step_s"] / max(figures["padded_tokens_per_step"], 1.0)
     return {"no-compute": 0.0, "data-heavy": data_heavy, "compute-heavy": COMPUTE_HEAVY_FACTOR * data_heavy}
 
@@ -210,7 +211,8 @@ def run_training(config: TrainingConfig, log: Any = None) -> dict[str, Any]:
         log(
             f"calibration: DataLoader {calibration['step_s'] * 1e3:.1f} ms a step without compute, "
             f"{calibration['padded_tokens_per_step']:.0f} padded tokens a batch: c = "
-            f"{seconds_per_token['data-heavy'] * 1e9:.0f} ns a token (data-heavy), ×{COMPUTE_HEAVY_FACTOR:.0f} compute-heavy"
+            f"{seconds_per_token['data-heavy'] * 1e9:.0f} ns a token (data-heavy), "
+            f"×{COMPUTE_HEAVY_FACTOR:.0f} compute-heavy"
         )
     order = [(loader, point) for point in POINTS for loader in TRAINING_LOADERS]
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key in order}
@@ -224,7 +226,8 @@ def run_training(config: TrainingConfig, log: Any = None) -> dict[str, Any]:
             if log is not None and "error" not in figures:
                 log(
                     f"round {round_ + 1} {point:13} {loader:16} useful util {figures['useful_util']:.2f} "
-                    f"stall {figures['stall']:.2f} padding {figures['padding']:.2f} {figures['samples_per_s']:.0f} samples/s"
+                    f"stall {figures['stall']:.2f} padding {figures['padding']:.2f} "
+                    f"{figures['samples_per_s']:.0f} samples/s"
                 )
             elif log is not None:
                 log(f"round {round_ + 1} {point:13} {loader:16} {figures['error']}")

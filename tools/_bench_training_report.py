@@ -14,10 +14,12 @@ def render_training(report: dict[str, Any]) -> str:
     c = settings["seconds_per_token"]
     budget = settings["budget"]
     lines = [
-        f"\ntraining: {settings['ranks']} data-parallel ranks, {settings['samples']:,} samples of the four-modality mix, "
+        f"\ntraining: {settings['ranks']} data-parallel ranks, "
+        f"{settings['samples']:,} samples of the four-modality mix, "
         f"{settings['workers']} decode workers on the node; DataLoader batches of {settings['batch_size']}, omnifeed "
         f"budget {budget['suggested_budget']:.0f} tokens ({budget['samples_per_micro_batch']:.1f} samples a batch); "
-        f"c = {c['data-heavy'] * 1e9:.0f} ns a padded token (data-heavy), {c['compute-heavy'] * 1e9:.0f} (compute-heavy); "
+        f"c = {c['data-heavy'] * 1e9:.0f} ns a padded token (data-heavy), "
+        f"{c['compute-heavy'] * 1e9:.0f} (compute-heavy); "
         f"medians of {settings['rounds']} rounds\n",
         "| point | loader | useful util | util incl. padding | stall | barrier: imbalance | barrier: stall-induced "
         "| padding | samples/s | CPU ms/sample |",
@@ -33,14 +35,16 @@ def render_training(report: dict[str, Any]) -> str:
         )
         lines.append(
             f"| {point} | {row['loader']} | {useful} | {util} | "
-            f"{row['stall']:.0%} | {row['barrier_imbalance']:.1%} | {row['barrier_stall']:.1%} | {row['padding']:.1%} | "
+            f"{row['stall']:.0%} | {row['barrier_imbalance']:.1%} | {row['barrier_stall']:.1%} | "
+            f"{row['padding']:.1%} | "
             f"{row['samples_per_s']:.0f} | {row['cpu_ms_per_sample']:.1f} |"
         )
     return "\n".join(lines)
 
 
 def write_training_plot(report: dict[str, Any], path: Path) -> Path | None:
-    """Per compute point, each loader's wall time split into useful compute, padding, stall and barrier wait; None without matplotlib."""
+    """Per compute point, each loader's wall time split into useful compute, padding, stall and barrier wait; None
+    without matplotlib."""
     try:
         import matplotlib
 

@@ -97,7 +97,8 @@ def run_list(args: argparse.Namespace) -> int:
         print(f"RAM tier segments in {folder}:")
         _table(ram, ("name", "owner", "size_bytes", "entries", "bytes_used", "last_used", "state", "mapped_by"))
         print(
-            "remove one of yours with `omnifeed cache remove NAME`, all of yours with `omnifeed cache remove --all-mine`"
+            "remove one of yours with `omnifeed cache remove NAME`, "
+            "all of yours with `omnifeed cache remove --all-mine`"
         )
     else:
         print(f"no omnifeed RAM tier segments in {folder}")

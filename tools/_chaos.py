@@ -338,7 +338,8 @@ def _shm_segments() -> set[str]:
 
 
 def run_chaos(config: ChaosConfig, stream: TextIO | None = None) -> int:
-    """Run the soak in ``config.out`` (omnifeed's own earlier output replaced, another non-empty folder refused); print its summary; 0 only if every check passed."""
+    """Run the soak in ``config.out`` (omnifeed's own earlier output replaced, another non-empty folder refused); print
+    its summary; 0 only if every check passed."""
     out = stream or sys.stdout
     prepare_output_dir(config.out, "chaos")
     soak = Soak(config, out)

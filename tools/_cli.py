@@ -117,18 +117,24 @@ def _parser() -> argparse.ArgumentParser:
     verify = _command(
         sub,
         "verify",
-        "check delivery logs cover an epoch exactly once",
+        "check delivery logs cover an epoch exactly once (a mixture's: each source as planned)",
         "omnifeed verify index delivery.jsonl --epoch 0",
-        "omnifeed plan index --world-size 2 | omnifeed verify index - --epoch 0",
+        "omnifeed plan --config mix.yaml --world-size 2 | omnifeed verify --config mix.yaml - --epoch 0",
     )
-    verify.usage = "omnifeed verify [-h] INDEX_DIR LOG [LOG ...] --epoch EPOCH"
+    verify.usage = "omnifeed verify [-h] (INDEX_DIR | --config FILE) LOG [LOG ...] --epoch EPOCH"
     verify.add_argument("index", nargs="?", metavar="INDEX_DIR", help="the index the logs were delivered from")
     verify.add_argument(
         "logs", nargs="*", metavar="LOG", help="JSON-lines delivery logs or service audit logs ('-' for stdin)"
     )
     verify.add_argument("--epoch", type=int, required=True, help="the epoch to check")
+    verify.add_argument(
+        "--config",
+        metavar="FILE",
+        help="instead of INDEX_DIR: a feed or plan config whose plan has a mixture; checks each source "
+        "against the plan's schedule (its seed, weights, phases) and reports realised shares per source",
+    )
     verify.add_argument("--index", dest="legacy_index", metavar="INDEX_DIR", help=argparse.SUPPRESS)  # before 0.2
-    verify.set_defaults(run=_run_verify, trailing="logs")
+    verify.set_defaults(run=_runs("._verify_cmd", "run_verify"), trailing="logs")
 
     stats = _command(
         sub,
@@ -213,22 +219,6 @@ def _runs(module: str, name: str) -> Any:
         return int(getattr(importlib.import_module(module, __package__), name)(args) or 0)
 
     return run
-
-
-def _run_verify(args: argparse.Namespace) -> int:
-    from omnifeed.loader import SampleIndex, read_delivery_logs, verify_coverage
-
-    paths = ([args.index] if args.index is not None else []) + args.logs
-    if args.legacy_index is not None:  # the spelling before 0.2: --index INDEX_DIR, every positional a log
-        index_dir, logs = args.legacy_index, paths
-    else:
-        index_dir, logs = (paths[0], paths[1:]) if paths else (None, [])
-    if index_dir is None or not logs:
-        args.parser.error("give the index directory, then one or more delivery logs (LOG, or - for stdin)")
-    index = SampleIndex(index_dir)
-    report = verify_coverage(index, args.epoch, read_delivery_logs(logs, stdin=sys.stdin))
-    print(json.dumps(report.to_json()))
-    return 0 if report.ok else 1
 
 
 def _run_demo(args: argparse.Namespace) -> int:

@@ -39,6 +39,7 @@ from omnifeed.loader import (
 from omnifeed.loader.service import request_metrics, wait_until_serving
 
 from ._demo_data import DemoDatasetSpec, write_webdataset
+from ._demo_mixture import mixture_step
 from ._index_summary import length_table
 from ._output_dir import prepare_output_dir
 from ._precache import PrecacheJob
@@ -59,15 +60,16 @@ def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None, ran
     prepare_output_dir(out, "demo")
     data = out / "data"
     say.title("1. Built-in dataset")
-    shards = write_webdataset(data, DemoDatasetSpec(num_samples=samples, num_shards=max(1, min(6, samples // 8))))
+    spec = DemoDatasetSpec(num_samples=samples, num_shards=max(1, min(6, samples // 8)))
+    shards = write_webdataset(data, spec)
     total = sum(p.stat().st_size for p in shards)
     say(f"{len(shards)} WebDataset shards, {samples} samples, {total / 1e6:.1f} MB in {data}")
 
     say.title("2. Index")
-    spec = f"{data}/shard-{{0000..{len(shards) - 1:04d}}}.tar"
-    report = build_index([spec], out / "index", IndexConfig(partitions=4), progress=False)
+    urls = f"{data}/shard-{{0000..{len(shards) - 1:04d}}}.tar"
+    report = build_index([urls], out / "index", IndexConfig(partitions=4), progress=False)
     index = SampleIndex(report.path)
-    say(f"omnifeed index {spec} --out {report.path}")
+    say(f"omnifeed index {urls} --out {report.path}")
     say(f"{report.num_samples} samples, fingerprint {report.fingerprint}")
     for line in length_table(index.manifest):
         say(line)
@@ -129,14 +131,18 @@ def run_demo(out: Path, *, samples: int = 240, stream: TextIO | None = None, ran
     if not coverage.ok:
         return 1
 
-    say.title("6. Pre-cache: fill the node's NVMe tier (LMDB) from the index")
+    say.title("6. Mixture: the tars and a filtered Parquet copy, 80/20 then 30/70; 2 ranks -> 3")
+    if not mixture_step(say, out, spec, report.path):
+        return 1
+
+    say.title("7. Pre-cache: fill the node's NVMe tier (LMDB) from the index")
     nvme = NvmeTierConfig(path=str(out / "cache"), capacity_bytes=1 << 30)
     job = PrecacheJob(index=str(report.path), nvme=nvme)
     precached = precache_local(job, list(range(len(index.manifest["partitions"]))), workers=1, progress=False)
     say(f"omnifeed precache {report.path} --cache {out / 'cache'}")
     say(json.dumps(precached.summary()))
 
-    say.title("7. Serve: one service for the node; trainer ranks 2 -> 1 -> 3 over shared memory, from checkpoints")
+    say.title("8. Serve: one service for the node; trainer ranks 2 -> 1 -> 3 over shared memory, from checkpoints")
     return _serve_phases(say, out, report.path, index, nvme, rank_args)
 
 

@@ -1,4 +1,4 @@
-"""`omnifeed index`, `precache` and `plan`: the commands that build an index or read one.
+"""`omnifeed index` and `precache`: the commands that build an index or read one (`plan`'s runner: `_plan_cmd`).
 
 Each maps its flags one-to-one onto the typed configs (a flag's error names the flag, not the
 file); `tools/_cli.py` holds the parser and calls ``run_*`` with the parsed arguments.
@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import logging
 import re
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,25 +21,18 @@ from omnifeed.cache import NvmeTierConfig
 from omnifeed.loader import (
     FeedConfig,
     IndexConfig,
-    Plan,
-    PlanConfig,
-    PlanCursor,
     SampleIndex,
-    Step,
     build_index,
-    delivery_records,
     load_yaml,
     validated,
 )
 from omnifeed.loader.index import default_workers
-from omnifeed.loader.plan import PlanReport, budget_guidance, suggest_budget
 
 from ._exit_codes import INDEX_DAMAGED_EXIT
 from ._index_summary import summary_json, summary_lines
 from ._precache import PrecacheJob
 from ._stop_signals import stops_on_sigterm
 
-_STATE_FILE_KEYS = ("plan", "state")
 _FAILURES_SHOWN = 20
 
 
@@ -260,138 +252,3 @@ def _partition_list(text: str | None, count: int) -> list[int]:
             )
         chosen.update(range(low, high + 1))
     return sorted(chosen)
-
-
-def _plan_config(args: argparse.Namespace, saved: dict[str, Any] | None) -> PlanConfig:
-    values = dict(saved or {}) | _section(args.config, "plan")
-    flags = _flags(args, ("seed", "batch_size", "shuffle", "shards_per_window", "drop_last", "window_size"))
-    for flag in flags:
-        values[flag] = getattr(args, flag)
-    if args.budget is not None:
-        bucketing = dict(values.get("bucketing") or {}) | {"budget": args.budget}
-        values["bucketing"] = (
-            bucketing
-            | ({"mode": "packing"} if args.packing else {})
-            | ({"overlong": args.overlong} if args.overlong else {})
-        )
-        flags |= {"bucketing.budget": "--budget"} | ({"bucketing.overlong": "--overlong"} if args.overlong else {})
-    elif args.packing:
-        args.parser.error("--packing needs --budget (tokens per pack)")
-    return validated(PlanConfig, values, source=args.config, section=("plan",), flags=flags)
-
-
-def run_plan(args: argparse.Namespace) -> int:
-    index = SampleIndex(args.index)
-    saved = _read_state_file(args.resume) if args.resume else None
-    if args.suggest_budget is not None:
-        return _suggest(args, index, saved)
-    plan = Plan.from_index(index, _plan_config(args, saved["plan"] if saved else None))
-    if plan.dropped_per_epoch:
-        logging.warning("drop_last: %d samples of every epoch are not delivered", plan.dropped_per_epoch)
-    cursor = PlanCursor(
-        plan, world_size=args.world_size, grad_accum=args.grad_accum, epoch=0 if saved else (args.epoch or 0)
-    )
-    if saved:
-        cursor.load_state_dict(saved["state"])
-    target = cursor.epoch if args.epoch is None else args.epoch
-    out = sys.stdout
-    report = PlanReport(plan, worst=args.worst or 0) if args.stats or args.worst else None
-    for step in _steps(cursor, target, args.steps):
-        if report is None:
-            for record in delivery_records(step, index):
-                out.write(json.dumps(record) + "\n")
-        else:
-            report.add(step)
-    if report is not None and args.stats:
-        out.write(json.dumps(_stats(report, index, plan, args)) + "\n")
-    if report is not None and args.worst:
-        for row in report.costliest():
-            row["keys"] = index.keys(row.pop("positions"))
-            out.write(json.dumps(row) + "\n")
-    out.flush()
-    if args.save_state:
-        state = {"plan": plan.config.model_dump(), "state": cursor.state_dict()}
-        Path(args.save_state).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
-    return 0
-
-
-def _suggest(args: argparse.Namespace, index: SampleIndex, saved: dict[str, Any] | None) -> int:
-    """`--suggest-budget N`: print the budget whose micro-batches hold N samples on average."""
-    if args.packing:
-        raise ValueError("--suggest-budget finds a cost budget for length-bucketed micro-batches; drop --packing")
-    if args.budget is None:
-        args.budget = 1.0  # a placeholder: the search replaces it; the cost model comes from --config
-    plan = Plan.from_index(index, _plan_config(args, saved["plan"] if saved else None))
-    if plan.bucketing is None or plan.bucketing.mode != "budget":
-        raise ValueError("--suggest-budget needs budget mode: set plan.bucketing.mode to budget in --config")
-    sys.stdout.write(json.dumps(suggest_budget(plan, args.suggest_budget)) + "\n")
-    return 0
-
-
-def _steps(cursor: PlanCursor, epoch: int, steps: int | None) -> Iterator[Step]:
-    """``steps`` steps, or (without a count) steps until ``epoch`` is fully delivered."""
-    dealt = 0
-    while (not cursor.epoch_delivered(epoch)) if steps is None else dealt < steps:
-        yield cursor.next_step()
-        dealt += 1
-
-
-def _stats(report: PlanReport, index: SampleIndex, plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
-    """The plan's figures beside those of fixed-size batches of ``--batch-size`` over the same epoch."""
-    stats = report.stats()
-    if plan.bucketing is not None:
-        naive_config = plan.config.model_copy(update={"bucketing": None})
-        naive_plan = Plan.from_index(index, naive_config)
-        naive = PlanReport(naive_plan, cost=plan.bucketing.cost)
-        naive_cursor = PlanCursor(
-            naive_plan, world_size=args.world_size, grad_accum=args.grad_accum, epoch=_report_epoch(args)
-        )
-        for step in _steps(naive_cursor, _report_epoch(args), args.steps):
-            naive.add(step)
-        stats["fixed_batch_size"] = {"batch_size": naive_config.batch_size, **naive.stats()}
-    if plan.bucketing is not None and plan.bucketing.mode == "budget":
-        stats["budget_guidance"] = _guidance(plan, args)
-    return stats
-
-
-def _guidance(plan: Plan, args: argparse.Namespace) -> dict[str, Any]:
-    """Samples over the budget and, when there are any, what the budgets holding 99 % / 100 % of them alone give."""
-    guidance = budget_guidance(plan)
-    if not guidance["samples_over_budget"]:
-        return guidance
-    assert plan.bucketing is not None
-    for share in ("99", "100"):
-        budget = max(guidance[f"budget_holding_{share}"], 1.0)
-        bucketing = plan.bucketing.model_copy(
-            update={"budget": budget, "overlong": "alone", "min_budget": None, "max_budget": None}
-        )
-        other = plan.with_config(plan.config.model_copy(update={"bucketing": bucketing}))
-        report = PlanReport(other)
-        cursor = PlanCursor(other, world_size=args.world_size, grad_accum=args.grad_accum, epoch=_report_epoch(args))
-        for step in _steps(cursor, _report_epoch(args), args.steps):
-            report.add(step)
-        figures = report.stats()
-        guidance[f"at_budget_holding_{share}"] = {
-            "budget": budget,
-            "samples_per_micro_batch": round(figures["samples"] / max(figures["micro_batches"], 1), 3),
-            "padding_fraction": figures["padding_fraction"],
-            "balance_max_over_mean": figures["balance_max_over_mean"],
-            "balance_worst_before_final_step": figures["balance_worst_before_final_step"],
-            "limits": figures["limits"],
-        }
-    return guidance
-
-
-def _report_epoch(args: argparse.Namespace) -> int:
-    """The epoch a report covers: ``--epoch``, else 0."""
-    return args.epoch or 0
-
-
-def _read_state_file(path: str) -> dict[str, Any]:
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ValueError(f"{path}: not a JSON state file ({exc})") from exc
-    if not isinstance(data, dict) or set(data) != set(_STATE_FILE_KEYS):
-        raise ValueError(f"{path}: not a state file written by `omnifeed plan --save-state`")
-    return data

@@ -1,5 +1,5 @@
-"""`omnifeed index`, `omnifeed precache` and `omnifeed plan`: their flags (the runners are `_index_commands`'s,
-imported when the command runs).
+"""`omnifeed index`, `omnifeed precache` and `omnifeed plan`: their flags (the runners are `_index_commands`'s and
+`_plan_cmd`'s, imported when the command runs).
 
 Only the standard library is imported here: `omnifeed --help` parses flags only (tests/tools/test_startup.py).
 """
@@ -139,9 +139,15 @@ def add_index_commands(
         "plan",
         "print which samples each rank receives at each step (JSON lines)",
         "omnifeed plan index --world-size 8 --batch-size 32 --steps 10 --save-state state.json",
-        "omnifeed plan index --world-size 4 --resume state.json",
+        "omnifeed plan --config mixture.yaml --world-size 4 --stats",
     )
-    plan.add_argument("index", metavar="INDEX_DIR", help="an index written by `omnifeed index`")
+    plan.add_argument(
+        "index",
+        nargs="?",
+        metavar="INDEX_DIR",
+        help="an index written by `omnifeed index` (none with a --config whose plan has a mixture: "
+        "it names the indexes)",
+    )
     plan.add_argument("--world-size", type=int, required=True, help="data-parallel ranks sharing each step")
     plan.add_argument("--seed", type=int, help="shuffle seed (default 0)")
     plan.add_argument("--epoch", type=int, help="start epoch (new run) and the epoch to deliver fully")
@@ -177,7 +183,8 @@ def add_index_commands(
     plan.add_argument(
         "--stats",
         action="store_true",
-        help="print one JSON object: padding, balance, and the same for fixed-size batches",
+        help="print one JSON object: padding, balance, and the same for fixed-size batches; for a mixture "
+        "also 'sources': each one's realised and planned share, cost share, padding, samples its filter removed",
     )
     plan.add_argument("--worst", type=int, metavar="N", help="print the N costliest micro-batches (JSON lines)")
     plan.add_argument(
@@ -187,8 +194,15 @@ def add_index_commands(
         help="print the cost budget whose micro-batches hold N samples on average (JSON); "
         "the cost model comes from --config",
     )
-    plan.add_argument("--config", help="YAML file; its 'plan' section is a PlanConfig")
+    plan.add_argument(
+        "--config", help="YAML file; its 'plan' section is a PlanConfig (with a mixture: paths relative to the file)"
+    )
     plan.add_argument("--steps", type=int, help="steps to deal (default: until the epoch is fully delivered)")
     plan.add_argument("--resume", metavar="STATE_JSON", help="continue from a saved state (any world size)")
+    plan.add_argument(
+        "--allow-mixture-change",
+        action="store_true",
+        help="with --resume and a --config of other mixture weights or phases: each source goes on from its position",
+    )
     plan.add_argument("--save-state", metavar="STATE_JSON", help="write the state after the last step")
-    plan.set_defaults(run=runs("._index_commands", "run_plan"))
+    plan.set_defaults(run=runs("._plan_cmd", "run_plan"))

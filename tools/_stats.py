@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ._stats_actors import actor_table
 from ._stats_format import fmt_bytes, fmt_count, fmt_duration, fmt_ms, fmt_pct, fmt_rate, fmt_table, remote_latency
 from ._stats_interval import Interval, Snap, client_list, num, submap
 from ._stats_limit import limiting
@@ -43,6 +44,8 @@ def render_stats(snapshot: Snap, previous: Snap | None) -> str:
     interval = Interval(snapshot, previous)
     lines = [_header(interval), ""]
     lines += _modalities(interval) + [""]
+    if submap(snapshot, "sources"):  # a mixture: one rate line per source
+        lines += _sources(interval) + [""]
     if submap(snapshot, "remote"):
         lines += _remote(interval) + [""]
     lines += _cache(interval) + [""]
@@ -89,8 +92,33 @@ def _modalities(iv: Interval) -> list[str]:
     return fmt_table(["modality", "buffer", "buffer bytes", "queued", "decoded/s", "p50", "p99", "bad"], rows)
 
 
+def _sources(iv: Interval) -> list[str]:
+    """A mixture's sources: samples/s, text tokens/s and share of the samples over the interval; replaced, in all."""
+    sources = {name: m for name, m in submap(iv.snap, "sources").items() if isinstance(m, Mapping)}
+    grew = {name: iv.delta("sources", name, "samples") for name in sources}
+    total = sum(n for n in grew.values() if n is not None)
+    rows = []
+    for name, m in sources.items():
+
+        def rate(key: str, counter: str) -> float | None:
+            return iv.rate("sources", name, counter) if iv.previous is not None else num(m, key)
+
+        samples = grew[name]
+        rows.append(
+            [
+                name,
+                fmt_rate(rate("samples_per_s", "samples")),
+                fmt_rate(rate("tokens_per_s", "tokens")),
+                fmt_pct(samples / total if samples is not None and total else None),
+                fmt_count(num(m, "replaced")),
+            ]
+        )
+    return fmt_table(["source", "samples/s", "tokens/s", "share", "replaced"], rows)
+
+
 def _remote(iv: Interval) -> list[str]:
-    """Remote decode workers (Ray actors): per modality, actors up/wanted/cap, remote and local rates, round trip."""
+    """Remote decode workers (Ray actors): per modality, actors up/wanted/cap, remote and local rates, round trip;
+    then where each actor runs."""
     remote = submap(iv.snap, "remote")
     state = "connected" if remote.get("connected") else "UNREACHABLE (local workers only)"
     rows = []
@@ -126,6 +154,7 @@ def _remote(iv: Interval) -> list[str]:
     return [
         f"Ray cluster {remote.get('address', '?')}: {state}, outages {fmt_count(num(remote, 'outages'))}",
         *fmt_table(header, rows),
+        *actor_table(remote),
     ]
 
 

@@ -128,7 +128,8 @@ class KeptSegment:
         self._version = 0
 
     def assemble(self, rest: dict[str, Any], layout: bytes, made: int) -> dict[str, Any]:
-        """The batch: ``rest`` (decoded) and the layout's tensors in new dicts; the tensors built once, reused while intact.
+        """The batch: ``rest`` (decoded) and the layout's tensors in new dicts; the tensors built once, reused while
+        intact.
 
         ``made``: tensors of this segment the batch holds outside its layout (in lists), made while decoding it.
         """
@@ -145,10 +146,13 @@ class KeptSegment:
         use, storage_refs, refs, uses = self._baseline
         if [sys.getrefcount(t) for t in self._tensors] != refs or sys.getrefcount(self._storage) != storage_refs:
             return True
-        return self._use_count(self._pointer) != use or [t._use_count() for t in self._tensors] != uses  # type: ignore[attr-defined]
+        if self._use_count(self._pointer) != use:
+            return True
+        return [t._use_count() for t in self._tensors] != uses  # type: ignore[attr-defined]
 
     def _counts(self, made: int = 0) -> tuple[Any, ...]:
-        """What refers to the segment: ``made`` of its storage's users are the frame's own tensors outside the layout."""
+        """What refers to the segment: ``made`` of its storage's users are the frame's own tensors outside the
+        layout."""
         return (  # the same expressions as `held`: a reference count counts the references the expression makes
             self._use_count(self._pointer) - made,
             sys.getrefcount(self._storage),
@@ -163,7 +167,8 @@ class KeptSegment:
         return not self._floating or not any(t.requires_grad for t in self._floating)
 
     def _switch(self, layout: bytes) -> None:
-        """Make ``layout`` the current one: remembered, or built (from remembered tensors where its references match)."""
+        """Make ``layout`` the current one: remembered, or built (from remembered tensors where its references
+        match)."""
         if not self._intact():  # the trainer changed a tensor: none is handed out again
             self._layouts.clear()
             self._by_ref.clear()

@@ -126,7 +126,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train until the epoch in progress is delivered (or ``--epochs``, ``--stop-file``, ``--max-steps``); print a JSON summary."""
+    """Train until the epoch in progress is delivered (or ``--epochs``, ``--stop-file``, ``--max-steps``); print a JSON
+    summary."""
     args = _arguments(argv)
     resume = None if args.fresh else args.resume_from if args.resume_from is not None else args.checkpoint
     if args.resume_from is not None and not args.resume_from.is_file():

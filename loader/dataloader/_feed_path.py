@@ -58,7 +58,8 @@ def open_feed(
     if changed:
         raise ValueError(
             f"with an omnifeed index, batching, shuffling and decode workers come from feed_config "
-            f"(plan.batch_size, plan.shuffle, plan.drop_last, pools): drop {', '.join(changed)} from the DataLoader call"
+            f"(plan.batch_size, plan.shuffle, plan.drop_last, pools): drop {', '.join(changed)} "
+            "from the DataLoader call"
         )
     if (world_size is None) != (rank is None):
         raise ValueError("give both world_size= and rank= (or neither, for one rank)")

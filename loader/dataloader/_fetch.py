@@ -114,6 +114,10 @@ class BatchFetcher:
         return copy.deepcopy(
             {
                 "dataset": self.dataset.state_dict() if has_state(self.dataset) and not own_iterator else None,
-                "iterator": iterator.state_dict() if iterator is not None and has_state(iterator) else None,  # type: ignore[attr-defined]
+                "iterator": (
+                    iterator.state_dict()  # type: ignore[attr-defined]
+                    if iterator is not None and has_state(iterator)
+                    else None
+                ),
             }
         )

@@ -111,7 +111,12 @@ class DataLoader(torch.utils.data.DataLoader[T_co]):
             dealer = elastic_sampler(dataset, torch_args, world_size, rank, shuffle_seed)
             torch_args.update(batch_size=1, shuffle=None, sampler=None, batch_sampler=dealer, drop_last=False)
             path = ElasticPath(dealer)
-        super().__init__(dataset, pin_memory=pin_memory, pin_memory_device=pin_memory_device, **torch_args)  # type: ignore[arg-type]
+        super().__init__(
+            dataset,  # type: ignore[arg-type]
+            pin_memory=pin_memory,
+            pin_memory_device=pin_memory_device,
+            **torch_args,
+        )
         object.__setattr__(self, "_checked_workers", self.num_workers)  # torch's constructor warned about this count
         if isinstance(path, ElasticPath):  # torch clears these when given a batch sampler; report what was asked
             object.__setattr__(self, "batch_size", batch_size)

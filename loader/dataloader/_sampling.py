@@ -82,7 +82,11 @@ class IndexStream:
         self.index_sampler = index_sampler
         self._loader_generator = generator
         batching = _unchanged(index_sampler, BatchSampler)
-        self._chain: list[Any] = [index_sampler, index_sampler.sampler] if batching else [index_sampler]  # type: ignore[attr-defined]
+        self._chain: list[Any] = (
+            [index_sampler, index_sampler.sampler]  # type: ignore[attr-defined]
+            if batching
+            else [index_sampler]
+        )
         self._stateful = next((s for s in self._chain if has_state(s)), None)
         base = self._chain[-1]
         if self._stateful is not None:

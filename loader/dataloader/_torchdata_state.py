@@ -53,7 +53,8 @@ def _rng_text(value: Any) -> str:
 
 
 class _ShuffleIterator(Iterator[int]):
-    """torchdata's ``_StatefulRandomSamplerIterator``: the permutation drawn at creation; state ``yielded``, ``generator``."""
+    """torchdata's ``_StatefulRandomSamplerIterator``: the permutation drawn at creation; state ``yielded``,
+    ``generator``."""
 
     def __init__(self, sampler: TorchdataShuffle) -> None:
         self.sampler = sampler

@@ -1,4 +1,5 @@
-"""omnifeed.loader.decode: per-modality decoders and their configs, meta fields by type, DALI, decode worker processes."""
+"""omnifeed.loader.decode: per-modality decoders and their configs, meta fields by type, DALI, decode worker
+processes."""
 
 from ._common import REASONS, DecodeError, as_numpy, function_name, is_torch_tensor, user_code_error
 from ._config import AudioDecodeConfig, DecodeConfig, ImageDecodeConfig, TextDecodeConfig, VideoDecodeConfig

@@ -17,7 +17,7 @@ The names are WebDataset's (``cls``, ``json``, ``txt``, ...) plus ``label`` and 
 JSON integers outside int64 come back as their decimal ``str`` (a batch carries 64-bit
 integers only). Errors: ``encoding`` (a typed field that is not UTF-8), ``corrupt`` (a
 ``.json`` field that does not parse).
-"""
+"""  # noqa: E501 (Markdown table rows cannot wrap)
 
 from __future__ import annotations
 

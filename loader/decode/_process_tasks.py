@@ -22,8 +22,8 @@ def decode_in_process(modality: str, data: bytes, key: str, config_json: str) ->
     The config travels as its JSON, made once by the caller, and keys the decoder kept here:
     pickling the model with every task (and dumping it here to make the key) cost ~40 µs per call.
     Values travel back as numpy arrays (what the decoders return), through the worker's shared
-    scratch area (`_scratch`) or pickled through the pipe. (A torch tensor would go through torch's multiprocessing reduction, one
-    shared-memory segment and file descriptor per tensor — several times slower for one image,
+    scratch area (`_scratch`) or pickled through the pipe. (A torch tensor would go through torch's multiprocessing
+    reduction, one shared-memory segment and file descriptor per tensor — several times slower for one image,
     and a leak risk.)
     """
     cache_key = (modality, config_json)

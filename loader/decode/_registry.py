@@ -14,7 +14,7 @@ turns batches into tensors):
 Bad input raises `DecodeError` with ``reason`` in `REASONS`. ``image.backend='dali'`` uses
 NVIDIA DALI when it is importable and otherwise falls back to Pillow, logging one warning
 per process.
-"""
+"""  # noqa: E501 (Markdown table rows cannot wrap)
 
 from __future__ import annotations
 

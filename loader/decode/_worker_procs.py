@@ -80,7 +80,8 @@ def _serve(conn: Connection, scratch: WorkerScratch | None) -> None:
 
 
 def _placed(conn: Connection, scratch: WorkerScratch, value: Any, block: tuple[int, int]) -> tuple[str, Any]:
-    """("placed", (skeleton, specs)) once ``value``'s arrays are in the scratch area, else ("ok", value) for the pipe."""
+    """("placed", (skeleton, specs)) once ``value``'s arrays are in the scratch area, else ("ok", value) for the
+    pipe."""
     placed = scratch.place(value, block)
     need = scratch.needed(value) if placed is None else 0
     if need:  # ask for a block that fits, once

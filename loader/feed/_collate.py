@@ -5,8 +5,8 @@ A batch is a dict:
 ``"__key__"``: list of the ``n`` delivered sample keys, in plan order.
 ``"__info__"``: ``{"epoch", "step", "micro_batch", "rank", "accum", "topology_version",
 "replaced"}`` (and ``"segments"`` in packing mode: each slot's ``[start, stop)`` token range,
-for slicing ``text.tokens`` and building ``cu_seqlens``); ``replaced`` lists ``[slot, bad_key, reason]`` for each sample that could
-not be read or decoded and was replaced by a batch-mate (see ``_healing``).
+for slicing ``text.tokens`` and building ``cu_seqlens``); ``replaced`` lists ``[slot, bad_key, reason]`` for each sample
+that could not be read or decoded and was replaced by a batch-mate (see ``_healing``).
 ``"text"``: ``tokens`` int64 ``[m, L]`` (0-padded), ``lengths`` int64 ``[m]``, ``strings``
 (list of ``m`` str), ``index`` int64 ``[m]`` (the slot in ``0..n-1`` of each row).
 ``"image"``: ``pixels`` uint8 ``[m, 3, H, W]`` (padded bottom/right to the largest),
@@ -89,7 +89,8 @@ def _media(
 def collate(
     samples: Sequence[Decoded], keys: Sequence[str], info: dict[str, Any], alloc: Allocator = _private
 ) -> dict[str, Any]:
-    """One micro-batch of decoded samples (numpy values) in the documented batch format, as numpy arrays from ``alloc``."""
+    """One micro-batch of decoded samples (numpy values) in the documented batch format, as numpy arrays from
+    ``alloc``."""
     batch: dict[str, Any] = {"__key__": list(keys), "__info__": info}
     rows: dict[str, list[int]] = {}
     for slot, sample in enumerate(samples):

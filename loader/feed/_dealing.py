@@ -10,9 +10,9 @@ A step is a pure function of the cursor's state (the plan's invariant), so the f
 to reach a state deals it and the others take the same `Step` and the state after it. Steps
 are kept by the state they start from (topology version, world size and accumulation
 included), the last ``keep`` of them and no more than ``max_micro_batches`` micro-batches in
-all (a step of a large world deals ``W × A``; the newest step is kept whatever its size). The cursors that deal are kept too, each under the state
-it stands at, so the cursor that dealt a step deals the next one (a cursor plans a shuffle
-window once for all its micro-batches; a cursor loaded from a state plans it again). One lock:
+all (a step of a large world deals ``W × A``; the newest step is kept whatever its size). The cursors that deal are
+kept too, each under the state it stands at, so the cursor that dealt a step deals the next one (a cursor plans a
+shuffle window once for all its micro-batches; a cursor loaded from a state plans it again). One lock:
 steps are dealt one at a time, which costs nothing on one interpreter lock and means a step is
 never dealt twice.
 """

@@ -82,7 +82,7 @@ class DecodeEngine:
         Raises ValueError for a tokenizer other than the index's, or a user transform that does not import.
         """
         config = with_index_tokenizer(config, index, "text" in (decoders or {}))
-        metrics = FeedMetrics()
+        metrics = FeedMetrics(index.names if isinstance(index, MixtureIndex) else ())  # a mixture: counts per source
         reader = FieldReader(config, metrics, index.fingerprint, decoders or {})
         try:
             pools = DecodePools(config, on_error, remote=reader.remote) if with_pools else None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..index import MixtureIndex, SampleIndex
-from ..plan import Plan, delivery_record, open_audit_log
+from ..plan import Plan, change_mixture, delivery_record, open_audit_log
 from ._collate import Decoded, collate
 from ._config import FeedConfig
 from ._engine import DecodeEngine, SharedResources, open_feed_index, with_index_tokenizer
@@ -166,6 +166,7 @@ class Feed:
 
     def _assemble(self, pending: PendingBatch) -> Taken:
         healthy = [slot.failure is None for slot in pending.slots]
+        sources = self._sources_of([slot.position for slot in pending.slots]) if not all(healthy) else None
         failures: list[SampleFailure] = []
         chosen: list[Slot] = []
         replaced: list[list[Any]] = []
@@ -174,10 +175,11 @@ class Feed:
                 chosen.append(slot)
                 continue
             failures.append(slot.failure)
-            j = replacement_slot(i, healthy)
+            j = replacement_slot(i, healthy, sources)
             chosen.append(pending.slots[j] if j is not None else self._stand_in(slot))
             replaced.append([i, slot.sample.key, slot.failure.reason])
             self._metrics.bad(slot.failure.modality, slot.failure.reason)
+        self._count_sources(chosen, [slot for slot in pending.slots if slot.failure is not None])
         self._budget.record(len(pending.slots), failures)
         info = {
             "epoch": pending.micro_batch.epoch,
@@ -203,7 +205,11 @@ class Feed:
     def _stand_in(self, failed: Slot) -> Slot:
         """A decoded sample with the same modalities to replace one whose whole micro-batch failed."""
         wanted = {m for m, _ in fields_to_decode(failed.sample) if m != "meta"}
-        for position in fallback_positions(failed.position, self.index.num_samples):
+        start, size = 0, self.index.num_samples
+        if isinstance(self.index, MixtureIndex):  # a stand-in of the failed sample's own source
+            source = int(self.index.locate([failed.position])[0][0])
+            start, size = int(self.index.offsets[source]), int(self.index.sizes[source])
+        for position in fallback_positions(failed.position, size, start):
             slot = Slot(position, self.index.sample(position), epoch=failed.epoch)
             fields = fields_to_decode(slot.sample)
             if {m for m, _ in fields if m != "meta"} != wanted:
@@ -217,14 +223,25 @@ class Feed:
             f"modalities could be decoded; {SampleFailure.advice_for(failed.failure)}"
         )
 
+    def _sources_of(self, positions: list[int]) -> list[int] | None:
+        """Each position's source in a mixture (None for one index: every sample is of the same)."""
+        if not isinstance(self.index, MixtureIndex):
+            return None
+        return self.index.locate(positions)[0].tolist()
+
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The feed's whole data state: the plan cursor at the step in progress and its progress."""
         return self._position.to_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (strict); another world size than the state's is a resize."""
-        self.seek(FeedPosition.from_dict(state))
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_mixture_change: bool = False) -> None:
+        """Continue from ``state`` (strict); another world size than the state's is a resize. A state of other
+        mixture weights or phases is refused unless ``allow_mixture_change`` (`change_mixture`: each source goes on
+        from its position under this feed's weights after the window in progress)."""
+        position = FeedPosition.from_dict(state)
+        if allow_mixture_change and self.plan.mixture is not None:
+            position = FeedPosition.from_dict({**state, "plan": change_mixture(position.plan_state, self.plan)})
+        self.seek(position)
 
     def seek(self, position: FeedPosition) -> None:
         """Continue from ``position``: checked against this feed's plan unless it is a checked one (``checked``) of
@@ -250,8 +267,17 @@ class Feed:
 
     # -- lifecycle and metrics -------------------------------------------------------------
     def metrics(self) -> dict[str, Any]:
-        """Per-modality buffers and decode latency, throughput, bytes read, bad samples, consumer wait."""
+        """Per-modality buffers and decode latency, throughput, bytes read, bad samples, consumer wait; in a
+        mixture, per source (``sources``) the samples delivered, their text tokens and the samples replaced."""
         return self._engine.snapshot(self._pipeline.pools.buffers() if self._pipeline is not None else {})
+
+    def _count_sources(self, delivered: list[Slot], failed: list[Slot]) -> None:
+        """In a mixture, the delivered samples and their text tokens (the index's lengths), and the planned samples
+        healing replaced, counted per source (`FeedMetrics.from_sources`); one index: nothing."""
+        if isinstance(self.index, MixtureIndex):
+            source, _ = self.index.locate([slot.position for slot in delivered + failed])
+            tokens = [slot.sample.lengths.text_tokens for slot in delivered]
+            self._metrics.from_sources(source[: len(delivered)], tokens, source[len(delivered) :])
 
     def _stop_pipeline(self) -> None:
         if self._pipeline is not None:

@@ -43,7 +43,8 @@ from ._transforms import holdable
 
 FIELD_PREFIX = "field:"
 SCRATCH_SLACK = 16 * 2**20
-"""Shared memory per decode process beyond its share of the buffer: the micro-batch being collated still holds its own."""
+"""Shared memory per decode process beyond its share of the buffer: the micro-batch being collated still holds
+its own."""
 
 
 def field_key(key: str) -> str:

@@ -6,7 +6,8 @@ micro-batch (wrapping around). Batch-mates share the micro-batch's bucket — wi
 the same modality mix and similar lengths — so the batch keeps its size, structure and cost.
 When every slot of a micro-batch failed, the feed falls back to ``fallback_positions``:
 positions at a fixed stride from the failed one, the first with the same modalities that
-decodes.
+decodes. In a mixture both stay within the failed sample's source (a batch-mate of the same
+source, a stand-in from the source's positions), so replacements never shift the shares.
 
 The error budget turns a broken dataset into a clear error: once at least
 ``min_samples`` samples were read, more than ``budget`` of them failing stops the feed,
@@ -62,20 +63,22 @@ class SampleFailure:
         return _USER_ADVICE if failure is not None and failure.reason == "user" else _DATASET_ADVICE
 
 
-def replacement_slot(slot: int, healthy: list[bool]) -> int | None:
-    """The next healthy slot after ``slot`` (wrapping), or None when no slot is healthy."""
+def replacement_slot(slot: int, healthy: list[bool], sources: list[int] | None = None) -> int | None:
+    """The next healthy slot after ``slot`` (wrapping) of the same source (``sources``: per slot; None: one source),
+    or None when there is none: a replacement never shifts a mixture's shares."""
     n = len(healthy)
     for step in range(1, n + 1):
         candidate = (slot + step) % n
-        if healthy[candidate]:
+        if healthy[candidate] and (sources is None or sources[candidate] == sources[slot]):
             return candidate
     return None
 
 
-def fallback_positions(position: int, num_samples: int) -> Iterator[int]:
-    """Deterministic candidates to stand in for a failed sample when its whole micro-batch failed."""
+def fallback_positions(position: int, num_samples: int, start: int = 0) -> Iterator[int]:
+    """Deterministic candidates to stand in for a failed sample: positions of ``[start, start + num_samples)`` (its
+    source's range in a mixture; the whole index otherwise) at a fixed stride from it."""
     for attempt in range(1, _FALLBACK_TRIES + 1):
-        candidate = (position + attempt * _FALLBACK_STRIDE) % num_samples
+        candidate = start + (position - start + attempt * _FALLBACK_STRIDE) % num_samples
         if candidate != position:
             yield candidate
 

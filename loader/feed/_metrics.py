@@ -1,21 +1,26 @@
-"""In-process metrics of the feed: buffers, decode latency, throughput, bytes, bad samples, waiting."""
+"""In-process metrics of the feed: buffers, decode latency, throughput, bytes, bad samples, waiting; per mixture
+source, the samples delivered, their text tokens and the samples healing replaced."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 _LATENCY_WINDOW = 2048  # decode latencies kept per modality (a sliding window)
+_SOURCE_COUNTS = ("samples", "tokens", "replaced")  # per mixture source
 
 
 class FeedMetrics:
     """Thread-safe counters and sliding windows behind ``Feed.metrics()``."""
 
-    def __init__(self) -> None:
+    def __init__(self, sources: Sequence[str] = ()) -> None:
+        """``sources``: a mixture's source names (counted per source, in the snapshot's ``sources``); none: one
+        index."""
         self._lock = threading.Lock()
         self._started = time.perf_counter()
         self._latency: dict[str, deque[float]] = {}
@@ -26,6 +31,8 @@ class FeedMetrics:
         self._batches = 0
         self._samples = 0
         self._wait_s = 0.0
+        self._source_names = list(sources)
+        self._sources = {name: dict.fromkeys(_SOURCE_COUNTS, 0) for name in sources}
 
     def decoded(self, modality: str, seconds: float, bytes_read: int) -> None:
         """One field fetched and decoded in ``seconds``."""
@@ -52,6 +59,22 @@ class FeedMetrics:
             self._samples += samples
             self._wait_s += waited_s
 
+    def from_sources(self, delivered: np.ndarray, tokens: Sequence[int], replaced: np.ndarray) -> None:
+        """A micro-batch of a mixture: the source (its order in the mixture) and text tokens of each delivered sample,
+        the source of each planned sample healing replaced."""
+        k = len(self._sources)
+        if not k:  # one index: nothing per source
+            return
+        samples = np.bincount(delivered, minlength=k)
+        counted = np.bincount(delivered, weights=np.asarray(tokens, dtype=np.float64), minlength=k)
+        failed = np.bincount(replaced, minlength=k)
+        with self._lock:
+            for s in np.flatnonzero(samples + failed).tolist():
+                counts = self._sources[self._source_names[s]]
+                counts["samples"] += int(samples[s])
+                counts["tokens"] += int(counted[s])
+                counts["replaced"] += int(failed[s])
+
     def decoded_count(self, modality: str) -> int:
         """Fields of ``modality`` decoded so far."""
         with self._lock:
@@ -73,7 +96,7 @@ class FeedMetrics:
                     "decode_latency_s": {"p50": float(p50), "p90": float(p90), "p99": float(p99)},
                     "bad": dict(self._bad.get(modality, {})),
                 }
-            return {
+            snap: dict[str, Any] = {
                 "elapsed_s": elapsed,
                 "batches": self._batches,
                 "samples": self._samples,
@@ -83,3 +106,13 @@ class FeedMetrics:
                 "bad_samples": sum(sum(v.values()) for v in self._bad.values()),
                 "modalities": modalities,
             }
+            if self._sources:  # a mixture: per source, delivered samples and their text tokens, replaced samples
+                snap["sources"] = {
+                    name: {
+                        **counts,
+                        "samples_per_s": counts["samples"] / elapsed,
+                        "tokens_per_s": counts["tokens"] / elapsed,
+                    }
+                    for name, counts in self._sources.items()
+                }
+            return snap

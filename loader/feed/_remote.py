@@ -43,7 +43,8 @@ log = logging.getLogger(__name__)
 
 
 def _writable(value: Any) -> Any:
-    """Arrays from Ray's object store are read-only views of it: copies, so a transform may write and the store frees."""
+    """Arrays from Ray's object store are read-only views of it: copies, so a transform may write and the store
+    frees."""
     if isinstance(value, np.ndarray) and not value.flags.writeable:
         return value.copy()
     if isinstance(value, tuple):
@@ -84,7 +85,8 @@ class RemoteDecoders:
         self._cluster.backlog = backlog
 
     def wait_slot(self, modality: str, slot: int, timeout: float) -> bool:
-        """Wait until remote slot ``slot`` of ``modality`` may take a task (its actor is up); False on timeout or close."""
+        """Wait until remote slot ``slot`` of ``modality`` may take a task (its actor is up); False on timeout or
+        close."""
         return self._cluster.wait_usable(modality, slot // self._mods[modality].config.tasks_per_worker, timeout)
 
     def slot(self, modality: str, slot: int) -> RemoteSlot:
@@ -153,6 +155,7 @@ class RemoteDecoders:
         value = _writable(value)
         with self._cluster.cond:
             mod.decoded += 1
+            actor.decoded += 1
             mod.round_trip.append(time.perf_counter() - started)
             mod.returned_bytes += tensor_bytes(value)
             mod.actor_read_bytes += read
@@ -160,7 +163,8 @@ class RemoteDecoders:
 
     # -- metrics and lifecycle ---------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
-        """Connection, and per modality: actors, remote/local decodes and rates, round trip, re-issued, lost."""
+        """Connection, and per modality: actors (and where each runs), remote/local decodes and rates, round trip,
+        re-issued, lost."""
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         with self._cluster.cond:
             modalities = {}
@@ -184,6 +188,7 @@ class RemoteDecoders:
                     "failed": mod.failed,
                     "returned_bytes": mod.returned_bytes,
                     "actor_read_bytes": mod.actor_read_bytes,
+                    "actors": mod.actor_lines(),
                 }
             return {
                 "address": self.address,

@@ -32,9 +32,15 @@ class DecodeActor:
         self._source = FieldSource(cache.model_copy(update={"ram": None}), namespace, self._decode)
         self._decoders: dict[str, Any] = {}
 
-    def ready(self) -> str:
-        """Where this actor runs (host and process), once it is constructed."""
-        return f"{socket.gethostname()}:{os.getpid()}"
+    def ready(self) -> dict[str, Any]:
+        """Where this actor runs, once it is constructed: Ray node id, node IP, host and process id."""
+        import ray
+
+        try:
+            node, ip = ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+        except Exception:  # noqa: BLE001  not in a Ray worker (or an older Ray): the host stands for the node
+            node, ip = socket.gethostname(), ""
+        return {"node": str(node), "ip": str(ip), "host": socket.gethostname(), "pid": os.getpid()}
 
     def decode(self, sample: IndexedSample, location: FieldLocation, data: bytes | None) -> Answer:
         """The decoder's output for the field (before any transform), from ``data`` or read here when None."""

@@ -10,6 +10,7 @@ by starvation. The task submission and its local fallback are `RemoteDecoders`' 
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 import time
@@ -27,6 +28,40 @@ log = logging.getLogger(__name__)
 _TICK_S = 0.5  # the controller's period
 _STUCK_DEADLINES = 3  # an actor that has not answered within this many deadlines is replaced
 _BUSY_SHARE = 0.75  # of the remote slots busy, with tasks queued: starved
+
+
+class _NoMainThreadNotice(logging.Filter):
+    """Drops Ray's notice that ``ray.init`` off the main thread set no SIGTERM handler: the service keeps its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("SIGTERM handler is not set")
+
+
+def _connect_quietly(ray: Any, address: str) -> None:
+    """``ray.init`` as the service's driver, leaving its signals alone: without Ray's failure signal handler.
+
+    Ray's driver installs abseil's failure signal handler, which writes what looks like a crash
+    dump (``*** SIGTERM received at time=...``, a stack) on every SIGTERM, a clean stop of
+    `omnifeed serve` included, before calling the service's own handler. Ray reads its switch
+    (``RAY_DISABLE_FAILURE_SIGNAL_HANDLER``) from ``ray_constants`` when the driver connects:
+    set here for this call only, never in the environment the actors inherit.
+    """
+    try:
+        ray_constants: Any = importlib.import_module("ray._private.ray_constants")
+    except ImportError:  # another layout of Ray: connect with its handler
+        ray_constants = None
+    saved = getattr(ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", None)
+    notice = _NoMainThreadNotice()
+    worker_log = logging.getLogger("ray._private.worker")
+    worker_log.addFilter(notice)
+    try:
+        if saved is not None:
+            ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
+        ray.init(address=address, logging_level=logging.WARNING)
+    finally:
+        if saved is not None:
+            ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = saved
+        worker_log.removeFilter(notice)
 
 
 class RemoteCluster:
@@ -116,7 +151,7 @@ class RemoteCluster:
         ray = self.ray
         if not ray.is_initialized():
             check_reachable(self.address)
-            ray.init(address=self.address, logging_level=logging.WARNING)
+            _connect_quietly(ray, self.address)
             self._owns_connection = True
         elif self._probe:
             check_reachable(self._probe)  # a connection this process holds: is its cluster back?
@@ -144,6 +179,7 @@ class RemoteCluster:
             self.connected = False
             inflight = [a for mod in self.mods.values() for a in mod.actors if a is not None]
             for mod in self.mods.values():
+                mod.retired.extend(a for a in mod.actors if a is not None and a.node)
                 mod.actors = [None] * len(mod.actors)  # their handles belong to the lost connection
             self._next_try = time.monotonic() + self._retry_s
             warn, self._warned = not self._warned, True
@@ -181,6 +217,8 @@ class RemoteCluster:
                     if actor is not None and (actor.lost or i >= mod.target) and actor.busy == 0:
                         mod.actors[i] = None
                         doomed.append(actor)
+                        if actor.node:
+                            mod.retired.append(actor)
             wanted = [(mod, i) for mod in self.mods.values() for i in range(mod.target) if mod.actors[i] is None]
             starting = [
                 a for mod in self.mods.values() for a in mod.actors if a is not None and not a.usable and not a.lost
@@ -224,14 +262,15 @@ class RemoteCluster:
 
     def _started_actor(self, actor: RemoteActor) -> None:
         try:
-            where = self.ray.get(actor.ready)
+            where: dict[str, Any] = self.ray.get(actor.ready)
         except Exception as exc:  # noqa: BLE001  it could not start (or died at once): replaced next tick
             with self.cond:
                 actor.lost = True
             log.warning("a remote decode worker did not start (%s: %s)", type(exc).__name__, exc)
             return
         with self.cond:
-            actor.usable, actor.where = True, where
+            actor.usable, actor.where = True, f"{where['host']}:{where['pid']}"
+            actor.node, actor.ip, actor.pid = where["node"], where["ip"], where["pid"]
             if self._warned and self.outages:
                 log.info("the Ray cluster at %s answers again: decoding there as well", self.address)
             self._warned = False

@@ -53,7 +53,8 @@ Step = Callable[[Any, str, int, np.random.Generator], Any]
 
 
 def transform_generators(seed: int, epoch: int, key: str, field: str, count: int) -> list[np.random.Generator]:
-    """The generators the ``count`` steps of ``field`` of sample ``key`` draw from in ``epoch`` (see the module docstring)."""
+    """The generators the ``count`` steps of ``field`` of sample ``key`` draw from in ``epoch`` (see the module
+    docstring)."""
     entropy = [
         TRANSFORM_STREAM,
         seed,
@@ -67,7 +68,8 @@ def transform_generators(seed: int, epoch: int, key: str, field: str, count: int
 def crop_box(
     height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float], rng: np.random.Generator
 ) -> tuple[int, int, int, int]:
-    """(top, left, height, width) of a random crop: torchvision's ``RandomResizedCrop.get_params`` drawing from ``rng``."""
+    """(top, left, height, width) of a random crop: torchvision's ``RandomResizedCrop.get_params`` drawing from
+    ``rng``."""
     area = height * width
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):

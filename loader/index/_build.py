@@ -50,8 +50,8 @@ def build_index(
 
     With ``config.workers > 1`` shards are scanned in worker processes (multiprocessing
     ``forkserver``) that do not import the caller's script, so a script calling this at its
-    top level, without an ``if __name__ == "__main__":`` guard, works. ``scanner`` replaces those processes (``_ray_build`` scans on a Ray cluster);
-    the index written is the same whatever order it yields shards in.
+    top level, without an ``if __name__ == "__main__":`` guard, works. ``scanner`` replaces those processes
+    (``_ray_build`` scans on a Ray cluster); the index written is the same whatever order it yields shards in.
 
     ``out`` is replaced only when it is absent, empty, or holds an omnifeed index and nothing
     else; otherwise ``OmnifeedError`` before anything is scanned. Only omnifeed's own files

@@ -183,7 +183,8 @@ class ColumnModalities:
         return out
 
     def _cell(self, value: bytes, ext: bytes | None, default: str, has_companion: bool) -> str:
-        """One cell's modality: its companion's extension, else its magic bytes (in a media column), else the default."""
+        """One cell's modality: its companion's extension, else its magic bytes (in a media column), else the
+        default."""
         if ext is not None:
             named = _extension_modality(ext.decode("utf-8", "replace"), self.config)
             if named is not None:

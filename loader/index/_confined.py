@@ -25,7 +25,8 @@ def escapes_root(name: str) -> bool:
 
 
 def on_local_disk(fs: Any) -> bool:
-    """Whether ``fs`` reads this machine's files: the local file system, or an fsspec cache over it (``simplecache::``)."""
+    """Whether ``fs`` reads this machine's files: the local file system, or an fsspec cache over it
+    (``simplecache::``)."""
     while isinstance(fs, CachingFileSystem):  # its paths are the wrapped file system's: links and FIFOs are there too
         fs = fs.fs
     return isinstance(fs, LocalFileSystem)

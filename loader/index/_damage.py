@@ -23,7 +23,7 @@ in it): a member name escaping its root or not UTF-8, a compressed tar, an unrea
 header, Parquet key problems (a missing named key column, a null or repeated key), a column
 whose values cannot be converted, a folder's link loops and links leading outside. A shard none
 of whose samples could be indexed is refused too (`ShardDamaged`), its damaged samples still listed.
-"""
+"""  # noqa: E501 (Markdown table rows cannot wrap)
 
 from __future__ import annotations
 

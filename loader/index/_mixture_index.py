@@ -139,7 +139,9 @@ class MixtureIndex:
         return out
 
     def length_columns(self, positions: np.ndarray | Sequence[int]) -> dict[str, np.ndarray]:
-        """The index's length columns at ``positions``."""
+        """The index's length columns at ``positions`` (every column, empty ones for no position)."""
+        if not len(positions):
+            return self.indexes[0].length_columns(np.zeros(0, dtype=np.int64))
         pieces = self._by_source(positions)
         out: dict[str, np.ndarray] = {}
         for s, where, local in pieces:

@@ -299,7 +299,8 @@ class ParquetCells:
     def _page(
         self, opened: OpenedFile, parsed: _Parsed, row_group: int, leaf: int, chunk: Chunk, index: int
     ) -> pa.Array:
-        """The values of data page ``index`` (a large dictionary's values kept once per chunk: ``_parquet_page_files``)."""
+        """The values of data page ``index`` (a large dictionary's values kept once per chunk:
+        ``_parquet_page_files``)."""
         assert parsed.footer is not None
         meta = parsed.metadata.row_group(row_group).column(leaf)
         at = ChunkAt(parsed.footer, row_group, leaf, meta.path_in_schema, meta.compression)

@@ -1,9 +1,9 @@
 """Scanning every shard once into Arrow rows: in this process, or in a pool of worker processes.
 
 A scan job never raises: a shard that cannot be scanned comes back with its error, and the
-build reports it and leaves it out; the samples left out as damaged come back with every shard. Storage errors that may pass (connection errors,
-time-outs) are retried with backoff first. A run stopped early (an error, Ctrl-C, SIGTERM) terminates the
-workers at once instead of letting them scan every remaining shard, and a worker whose driver was killed
+build reports it and leaves it out; the samples left out as damaged come back with every shard. Storage errors that may
+pass (connection errors, time-outs) are retried with backoff first. A run stopped early (an error, Ctrl-C, SIGTERM)
+terminates the workers at once instead of letting them scan every remaining shard, and a worker whose driver was killed
 exits by itself.
 
 Workers are started with multiprocessing's ``forkserver``, which makes every worker import the

@@ -13,9 +13,9 @@ Four kinds of shard, all named by fsspec URL (or local path) (scanned by ``_scan
   files) is its Arrow files, in order (``_arrow_files``).
 - a folder whose top holds shard files (``.tar``, ``.parquet``/``.pq``, ``.arrow``) is those shards;
 - ``folder``: files grouped by key as in a tar, relative path up to the first dot of the
-  basename (``_folder_scan``; class folders → labels, ``_class_folders``); hidden files and folders (name starting with '.') are skipped; a file whose real
-  path leaves the folder (a symbolic link to outside it), a linked folder and a link loop are
-  refused; FIFOs, sockets and devices are skipped, never opened (docs/security.md §4). Local
+  basename (``_folder_scan``; class folders → labels, ``_class_folders``); hidden files and folders (name starting
+  with '.') are skipped; a file whose real path leaves the folder (a symbolic link to outside it), a linked folder and a
+  link loop are refused; FIFOs, sockets and devices are skipped, never opened (docs/security.md §4). Local
   folder files are opened by ``open_beneath``: one component at a time with ``O_NOFOLLOW``
   relative to the folder's descriptor, so a link swapped in cannot lead outside the folder.
 

@@ -119,7 +119,8 @@ class _TableRows:
         return keys
 
     def add(self, table: pa.Table, chunk: int, offset: int) -> None:
-        """Samples of one chunk: row group or batch number ``chunk``, its message at byte ``offset`` (Arrow; else -1)."""
+        """Samples of one chunk: row group or batch number ``chunk``, its message at byte ``offset`` (Arrow; else
+        -1)."""
         keys = self._keys(table, chunk)
         cells, paths = {}, {}
         for column in self.columns:

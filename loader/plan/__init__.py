@@ -10,10 +10,11 @@ from ._audit import (
 )
 from ._budget import alone_costs, budget_guidance, suggest_budget
 from ._config import PlanConfig
-from ._cursor import DealingStopped, PlanCursor, Step, steps_left_in_epoch
+from ._cursor import DealingStopped, PlanCursor, Step, change_mixture, steps_left_in_epoch
 from ._mixture import MixtureStream, mixture_stream, open_mixture
 from ._mixture_audit import MixtureCoverageReport, SourceCoverage, verify_mixture
 from ._mixture_config import MixtureConfig, MixturePhaseConfig, MixtureSource
+from ._mixture_report import MixtureReport
 from ._plan import MicroBatch, Plan
 from ._report import PlanReport
 
@@ -24,6 +25,7 @@ __all__ = [
     "MixtureConfig",
     "MixtureCoverageReport",
     "MixturePhaseConfig",
+    "MixtureReport",
     "MixtureSource",
     "MixtureStream",
     "Plan",
@@ -34,6 +36,7 @@ __all__ = [
     "Step",
     "alone_costs",
     "budget_guidance",
+    "change_mixture",
     "delivery_record",
     "delivery_records",
     "mixture_stream",

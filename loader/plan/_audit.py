@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import stat
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,14 +21,16 @@ from typing import IO, Any
 import numpy as np
 
 from .._errors import OmnifeedError
-from ..index import SampleIndex
+from ..index import MixtureIndex, SampleIndex
 from ._cursor import Step
 from ._plan import MicroBatch
 
 _EXAMPLES = 5
 
 
-def delivery_records(step: Step, index: SampleIndex, ranks: Iterable[int] | None = None) -> Iterator[dict[str, Any]]:
+def delivery_records(
+    step: Step, index: SampleIndex | MixtureIndex, ranks: Iterable[int] | None = None
+) -> Iterator[dict[str, Any]]:
     """The records of one step, rank by rank and accumulation micro-step by micro-step.
 
     In packing mode a record also has ``segments``: the ``[start, stop)`` token range of each
@@ -232,7 +235,11 @@ def delivered_keys(epoch: int, records: Iterable[dict[str, Any]]) -> tuple[list[
             segments.setdefault(key, []).append((int(start), int(stop)))
     partial = 0
     for key, pieces in segments.items():
-        pieces.sort()
-        keys.extend(key for start, _ in pieces if start == 0)  # each full pass over a sample counts once
-        partial += any(b[0] != a[1] for a, b in zip(pieces, pieces[1:])) or pieces[0][0] != 0
+        passes = sum(start == 0 for start, _ in pieces)
+        keys.extend([key] * passes)  # each full pass over a sample counts once
+        # the pieces tile ``passes`` passes over [0, end) (a mixture may repeat a sample in one epoch, split
+        # differently each time) when every boundary but 0 and the end starts as many pieces as it stops
+        end = max(stop for _, stop in pieces)
+        starts = Counter(start for start, _ in pieces) + Counter({end: passes})
+        partial += passes == 0 or starts != Counter(stop for _, stop in pieces) + Counter({0: passes})
     return keys, partial

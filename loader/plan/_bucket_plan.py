@@ -36,7 +36,8 @@ PADDING_TARGET = 0.027  # the padding per stream default windows and cells are c
 
 @dataclass(frozen=True)
 class BucketPlan:
-    """A budget-mode plan's buckets: a layout per modality mix, or grid ``edges``; and the window they were sized for."""
+    """A budget-mode plan's buckets: a layout per modality mix, or grid ``edges``; and the window they were sized
+    for."""
 
     window: int
     layout: MixLayout | None = None
@@ -57,14 +58,16 @@ class BucketPlan:
 
 
 def _smallest_window(probe: Mapping[str, np.ndarray], bucketing: BucketingConfig) -> int:
-    """About `WINDOW_MICRO_BATCHES` micro-batches' worth of samples (the budget over the mean sample cost), 65,536 to 524,288."""
+    """About `WINDOW_MICRO_BATCHES` micro-batches' worth of samples (the budget over the mean sample cost), 65,536 to
+    524,288."""
     mean = float(np.mean(sample_costs(probe, bucketing.cost)))
     per_batch = bucketing.budget / max(mean, 1e-9)
     return int(min(MAX_WINDOW, max(BUCKETED_WINDOW, round(WINDOW_MICRO_BATCHES * per_batch))))
 
 
 def _grid_edges(probe: Mapping[str, np.ndarray], bucketing: BucketingConfig) -> dict[str, np.ndarray]:
-    """Edges on a grid of streams: given in the config, or estimated from the probe (every weighted stream by default)."""
+    """Edges on a grid of streams: given in the config, or estimated from the probe (every weighted stream by
+    default)."""
     if bucketing.edges is not None:
         return {s: np.asarray(e, dtype=np.float64) for s, e in bucketing.edges.items()}
     streams = bucketing.bucket_streams or choose_bucket_streams(probe, bucketing.cost.weights, max_streams=len(probe))
@@ -84,7 +87,8 @@ def bucket_plan(
     window_size: int | None,
     shard_window: float | None,
 ) -> BucketPlan:
-    """The buckets of a budget-mode plan over ``num_samples`` samples; ``probe(n)``: the lengths of ``n`` even positions.
+    """The buckets of a budget-mode plan over ``num_samples`` samples; ``probe(n)``: the lengths of ``n`` even
+    positions.
 
     ``window_size``: the configured window (None: chosen here); ``shard_window``: the mean samples
     of a shard window in ``shard_block`` mode (its windows are shards, not chosen).

@@ -36,7 +36,8 @@ def alone_costs(plan: Plan) -> np.ndarray:
 
 
 def budget_guidance(plan: Plan) -> dict[str, Any]:
-    """``samples_over_budget`` (count and fraction) at the plan's budget, and the budgets holding 99 % / 100 % of samples alone."""
+    """``samples_over_budget`` (count and fraction) at the plan's budget, and the budgets holding 99 % / 100 % of
+    samples alone."""
     values = alone_costs(plan)
     budget = plan.budget
     assert budget is not None

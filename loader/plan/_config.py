@@ -76,7 +76,7 @@ class PlanConfig(StrictModel):
             if self.bucketing.mode == "budget":
                 values["budget_algorithm"] = BUDGET_ALGORITHM
         if self.mixture is not None:  # the sources' data is in the index fingerprint, not their paths
-            values["mixture"] = self.mixture.schedule_fingerprint_values()
+            values["mixture"] = self.mixture.plan_fingerprint_values()  # the schedule: in the cursor's state
         else:
             values.pop("mixture")  # the fingerprints of plans before mixtures stay as they were
         payload = json.dumps(values, sort_keys=True)

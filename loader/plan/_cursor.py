@@ -13,7 +13,10 @@ began); the next micro-batch to deal: ``epoch``, ``window``, ``window_start`` (t
 first stream offset), ``carried`` (the positions the window before carried into it, at most
 ``bucketing.carry``; ``[]`` when nothing is carried), ``offset`` (its place in the window),
 ``micro_batch`` (its place in the epoch); and ``budget``/``next_budget`` (the cost budget of this window and of the
-windows after it, changed by memory feedback; ``null`` for fixed-size batches).
+windows after it, changed by memory feedback; ``null`` for fixed-size batches); with a mixture, ``mixture``: the
+schedule's position at the window's start (`MixtureStream.state`: the weights' fingerprint, the phase in force, how far
+into it, each source's count, a change still ahead), which a state saved under other weights is resumed from only
+when the change is allowed (`change_mixture`).
 """
 
 from __future__ import annotations
@@ -47,8 +50,10 @@ _STATE_KEYS = frozenset(
         "micro_batch",
         "budget",
         "next_budget",
+        "mixture",
     }
 )
+_OPTIONAL_KEYS = frozenset({"mixture"})  # a mixture's only
 _COUNTERS = (
     "topology_version",
     "step",
@@ -227,15 +232,17 @@ class PlanCursor:
             "micro_batch": self.micro_batch,
             "budget": self.budget,
             "next_budget": self.next_budget,
+            **({"mixture": self.plan.mixture.state(self.epoch, self.window_start)} if self.plan.mixture else {}),
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Continue from ``state``; a world size or accumulation other than this cursor's is a resize.
 
-        Raises ``StateMismatchError`` for a state of another index or batching config,
-        and ``ValueError`` for a malformed state. ``state`` is not modified.
+        Raises ``StateMismatchError`` for a state of another index or batching config, or (unless
+        ``allow_mixture_change``: then `change_mixture`) of other mixture weights or phases, and ``ValueError`` for
+        a malformed state. ``state`` is not modified.
         """
-        keys = set(state)
+        keys = set(state) | (_OPTIONAL_KEYS - set(state))
         if keys != _STATE_KEYS:
             missing, unknown = sorted(_STATE_KEYS - keys), sorted(keys - _STATE_KEYS)
             raise ValueError(f"not a plan state: missing keys {missing}, unknown keys {unknown}")
@@ -249,7 +256,8 @@ class PlanCursor:
             mine = getattr(self.plan, what)
             if state[what] != mine:
                 raise StateMismatchError(
-                    f"the saved state belongs to another {'index' if what == 'index_fingerprint' else 'batching config'}: "
+                    "the saved state belongs to another "
+                    f"{'index' if what == 'index_fingerprint' else 'batching config'}: "
                     f"state {what} {state[what]} != {mine}. Resume with the index and plan config the state "
                     "was saved with, or start a new run without the state"
                 )
@@ -263,6 +271,20 @@ class PlanCursor:
         for name in ("budget", "next_budget"):
             if (state[name] is None) != (self.plan.budget is None):
                 raise ValueError(f"plan state {name} {state[name]!r} does not fit this plan's batching")
+        if self.plan.mixture is not None:
+            entry = state.get("mixture")
+            if not isinstance(entry, Mapping):
+                raise ValueError("a mixture's plan state holds its schedule's position ('mixture'); this one has none")
+            if entry.get("schedule") != self.plan.mixture.fingerprint:
+                if not allow_mixture_change:
+                    raise StateMismatchError(
+                        f"the saved state was dealt under other mixture weights or phases (schedule "
+                        f"{entry.get('schedule')} != {self.plan.mixture.fingerprint}): resume with the weights it was "
+                        "saved with, or allow the change (allow_mixture_change=True, `--allow-mixture-change`) to go "
+                        "on from each source's position under the new ones"
+                    )
+                entry = change_mixture(state, self.plan)["mixture"]
+            self.plan.mixture.resume(entry, state["epoch"], state["window_start"])
         self.step, self.epoch, self.window = state["step"], state["epoch"], state["window"]
         self.window_start, self.offset, self.micro_batch = state["window_start"], state["offset"], state["micro_batch"]
         self.budget, self.next_budget = state["budget"], state["next_budget"]
@@ -271,6 +293,30 @@ class PlanCursor:
         self._current = None
         if (state["world_size"], state["grad_accum"]) != (self.world_size, self.grad_accum):
             self.topology_version += 1
+
+
+def change_mixture(state: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
+    """A plan state saved under other mixture weights or phases, as a state of ``plan``'s: the saved phase goes on
+    through the window in progress and the samples it may borrow (they were dealt, or will be, as planned then),
+    ``plan``'s weights after that, each source continuing from its count there. A documented event: the state names
+    the change (``until``: where it takes effect, and the new schedule's fingerprint). Raises ValueError for a state
+    without a mixture position, or one saved while an earlier change was still ahead (resume it, deal past that
+    window, save again). A state of ``plan``'s own weights is returned as it is.
+    """
+    mixture = plan.mixture
+    entry = state.get("mixture")
+    if mixture is None or not isinstance(entry, Mapping):
+        raise ValueError("only a mixture's plan state can change its mixture")
+    if entry.get("schedule") == mixture.fingerprint:
+        return dict(state)  # the same weights and phases: nothing changes
+    if entry.get("until") is not None:
+        raise ValueError(
+            "this state was saved before an earlier mixture change took effect: resume it under the weights of that "
+            "change, deal past the window in progress, and save again before changing them once more"
+        )
+    epoch, window = int(state["epoch"]), int(state["window"])
+    seen = min(plan.window_reach(epoch, window, int(state["window_start"])), plan.num_samples)
+    return {**state, "mixture": {**entry, "schedule": mixture.fingerprint, "until": epoch * plan.num_samples + seen}}
 
 
 def _carried(value: Any, plan: Plan) -> np.ndarray:

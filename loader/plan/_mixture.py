@@ -22,8 +22,9 @@ per sample, so a cursor over the mixture is the mixed stream's offset and nothin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -38,18 +39,20 @@ TAG_MIXTURE = 5  # keyed permutations of a mixture's sources, apart from a singl
 
 @dataclass(frozen=True)
 class MixturePhase:
-    """Weights (one per source, summing to 1) from mixed sample ``start`` on."""
+    """Weights (one per source; normalised by the schedule) from mixed sample ``start`` on, and each source's count
+    at ``start`` (``base``; None: where the phase before left it, or 0 for the first)."""
 
     start: int
     weights: tuple[float, ...]
+    base: tuple[int, ...] | None = None
 
 
 class MixtureSchedule:
-    """The mixed stream over sources of ``sizes`` samples, under ``phases`` (the first starts at 0)."""
+    """The mixed stream over sources of ``sizes`` samples, under ``phases`` (the first starts at 0, or has a base)."""
 
     def __init__(self, sizes: Sequence[int], phases: Sequence[MixturePhase], seed: int, keys: Sequence[int]) -> None:
-        if not phases or phases[0].start != 0:
-            raise ValueError("a mixture's first phase starts at mixed sample 0")
+        if not phases or (phases[0].start != 0 and phases[0].base is None):
+            raise ValueError("a mixture's first phase starts at mixed sample 0 (or says each source's count there)")
         if any(b.start <= a.start for a, b in zip(phases, phases[1:])):
             raise ValueError("a mixture's phases start in increasing order")
         self.sizes = np.asarray(sizes, dtype=np.int64)
@@ -58,14 +61,43 @@ class MixtureSchedule:
         for phase in phases:
             if len(phase.weights) != self.sizes.size or min(phase.weights) < 0 or not sum(phase.weights) > 0:
                 raise ValueError(f"phase at {phase.start}: one weight per source, none negative, some positive")
+        self.given = list(phases)  # as given: a saved state names a phase's weights so, never re-normalised
         self.phases = [
             MixturePhase(p.start, tuple(float(w) for w in np.asarray(p.weights) / sum(p.weights))) for p in phases
         ]
         self.seed, self.keys = seed, [int(k) for k in keys]
-        self._bases = [np.zeros(self.sizes.size, dtype=np.int64)]  # per phase: each source's count at its start
-        for phase, following in zip(self.phases, self.phases[1:]):
-            self._bases.append(self._bases[-1] + _phase_counts(phase.weights, following.start - phase.start))
+        self._bases: list[np.ndarray] = []  # per phase: each source's count at its start
+        for i, phase in enumerate(phases):
+            if phase.base is not None:
+                self._bases.append(np.asarray(phase.base, dtype=np.int64))
+            elif i == 0:
+                self._bases.append(np.zeros(self.sizes.size, dtype=np.int64))
+            else:
+                before = self.phases[i - 1]
+                self._bases.append(self._bases[-1] + _phase_counts(before.weights, phase.start - before.start))
         self._permutations: dict[tuple[int, int], KeyedPermutation] = {}
+
+    def state_at(self, at: int) -> dict[str, Any]:
+        """What resumes the schedule from mixed sample ``at`` under other later phases: the phase in force (its weights
+        as given, how far into it ``at`` is) and each source's count there. A few numbers per source."""
+        p = self._phase_of(at)
+        return {
+            "since": at - self.phases[p].start,
+            "weights": [float(w) for w in self.given[p].weights],
+            "counts": self.counts(at).tolist(),
+        }
+
+    def resumed(self, state: Mapping[str, Any], at: int, later: Sequence[MixturePhase]) -> MixtureSchedule:
+        """The schedule from mixed sample ``at`` on: the phase a `state_at` entry saved, continued, then ``later``
+        (phases starting after ``at``, their bases following on). Answers for samples from ``at`` on only."""
+        weights = tuple(float(w) for w in state["weights"])
+        since, counts = int(state["since"]), np.asarray(state["counts"], dtype=np.int64)
+        if len(weights) != self.sizes.size or counts.size != self.sizes.size or since < 0:
+            raise ValueError("the saved mixture position does not fit this mixture's sources")
+        normalised = tuple(float(w) for w in np.asarray(weights) / sum(weights))
+        base = counts - _phase_counts(normalised, since)
+        phases = [MixturePhase(at - since, weights, tuple(base.tolist())), *(p for p in later if p.start > at)]
+        return MixtureSchedule(self.sizes.tolist(), phases, self.seed, self.keys)
 
     def counts(self, at: int) -> np.ndarray:
         """Per source, how many of its samples the first ``at`` mixed samples hold (int64)."""
@@ -94,6 +126,8 @@ class MixtureSchedule:
         return self.counts(at) // self.sizes
 
     def _phase_of(self, at: int) -> int:
+        if at < self.phases[0].start:
+            raise ValueError(f"mixed sample {at} is before this schedule's first phase ({self.phases[0].start})")
         return int(np.searchsorted([p.start for p in self.phases], at, side="right")) - 1
 
     def _samples(self, source: np.ndarray, k: np.ndarray) -> np.ndarray:
@@ -178,10 +212,53 @@ class MixtureStream:
 
     shuffle = "permutation"
 
-    def __init__(self, schedule: MixtureSchedule, offsets: np.ndarray, epoch_samples: int) -> None:
+    def __init__(
+        self, schedule: MixtureSchedule, offsets: np.ndarray, epoch_samples: int, fingerprint: str = ""
+    ) -> None:
         self.schedule, self.offsets, self.num_samples = schedule, np.asarray(offsets, dtype=np.int64), epoch_samples
+        self.phases = list(schedule.given)  # the config's phases: what a resumed schedule goes on with
+        self.fingerprint = fingerprint  # of the config's weights and phases
+        self._config_schedule = schedule
+        self.change_at: int | None = None  # where a mixture change takes effect, while it is ahead
         self.shard_starts = np.zeros(1, dtype=np.int64)
         self.work = 0
+
+    @property
+    def total_samples(self) -> int:
+        """The sources' samples added up (the mixture index's positions)."""
+        return int(self.schedule.sizes.sum())
+
+    def state(self, epoch: int, start: int) -> dict[str, Any]:
+        """The schedule's position at mixed sample ``start`` of ``epoch`` (a window's start), for the cursor's state:
+        the phase in force, each source's count, and a mixture change still ahead (``until``)."""
+        at = epoch * self.num_samples + start
+        until = self.change_at if self.change_at is not None and self.change_at > at else None
+        return {"schedule": self.fingerprint, **self.schedule.state_at(at), "until": until}
+
+    def resume(self, state: Mapping[str, Any], epoch: int, start: int) -> None:
+        """Go on from a saved `state` at ``start`` of ``epoch`` (of this schedule: `schedule` is this fingerprint):
+        its phase, then the config's later ones — after a mixture change still ahead (``until``), the config's
+        weights from there. A state an uninterrupted run saved changes nothing."""
+        at = epoch * self.num_samples + start
+        until = state.get("until")
+        if until is None:
+            own = self._config_schedule.state_at(at)
+            same = all(state.get(k) == own[k] for k in ("since", "weights", "counts"))
+            # an uninterrupted history is the config's own schedule (which answers from sample 0 on)
+            self.schedule = self._config_schedule if same else self._config_schedule.resumed(state, at, self.phases)
+            self.change_at = None
+        else:
+            self.schedule, self.change_at = self._config_schedule.resumed(state, at, self._from(int(until))), int(until)
+
+    def _from(self, at: int) -> list[MixturePhase]:
+        """The config's phases from mixed sample ``at`` on: the one in force there, starting at ``at``, and the
+        later."""
+        now = self.phases[int(np.searchsorted([p.start for p in self.phases], at, side="right")) - 1]
+        return [MixturePhase(at, now.weights), *(p for p in self.phases if p.start > at)]
+
+    def restart(self) -> None:
+        """Back to the config's own schedule from mixed sample 0 (a new run)."""
+        self.schedule, self.change_at = self._config_schedule, None
 
     def slice(self, epoch: int, start: int, stop: int) -> np.ndarray:
         """Global positions of mixed samples ``[start, stop)`` of ``epoch``."""
@@ -241,7 +318,8 @@ def mixture_stream(config: MixtureConfig, sizes: Sequence[int], seed: int) -> Mi
             raise ValueError("mixture phases end, and the sources have no weights of their own to go on with")
         phases.append(MixturePhase(start, tuple(own)))
     schedule = MixtureSchedule(sizes, phases, seed, [source_key(n) for n in names])
-    return MixtureStream(schedule, np.concatenate([[0], np.cumsum(sizes)])[:-1], epoch)
+    offsets = np.concatenate([[0], np.cumsum(sizes)])[:-1]
+    return MixtureStream(schedule, offsets, epoch, config.schedule_fingerprint())
 
 
 def open_mixture(config: MixtureConfig) -> MixtureIndex:

@@ -1,4 +1,5 @@
-"""`MixtureConfig`: a weighted blend of indexes, filtered on the fly, with a schedule of phases (docs/index-and-plan.md).
+"""`MixtureConfig`: a weighted blend of indexes, filtered on the fly, with a schedule of phases
+(docs/index-and-plan.md).
 
 ::
 
@@ -19,6 +20,9 @@ worth, the sources' samples after their filters, or with ``repeat`` the sum of `
 
 from __future__ import annotations
 
+import json
+
+import xxhash
 from pydantic import Field, model_validator
 
 from .._config import StrictModel
@@ -59,8 +63,8 @@ class MixtureConfig(StrictModel):
     interleave: bool = Field(
         default=True,
         description="Deal a window's micro-batches interleaved across sources by progress: every run of 1,000 "
-        "micro-batches holds each source at its weight (to ~0.3 points), at some cost to step balance at a window's "
-        "end. False: in cost tiers only (steps as even as one index's; shares hold per window).",
+        "micro-batches holds each source at its weight (measured within 0.3 points), at some cost to step balance "
+        "at a window's end. False: in cost tiers only (steps as even as one index's; shares hold per window).",
     )
 
     @model_validator(mode="after")
@@ -90,18 +94,22 @@ class MixtureConfig(StrictModel):
             raise ValueError(f"mixture phases end in increasing order of until_samples, got {ends}")
         return self
 
-    def schedule_fingerprint_values(self) -> dict[str, object]:
-        """What of this config fixes the mixed stream, without the indexes' paths (their data is fingerprinted)."""
+    def plan_fingerprint_values(self) -> dict[str, object]:
+        """What of this config fixes the plan besides the schedule: the sources (names, repeats, filters; not their
+        paths, their data is in the index fingerprint), the epoch and the dealing. Not the weights nor the phases."""
         return {
             "sources": {
-                name: {
-                    "weight": s.weight,
-                    "repeat": s.repeat,
-                    "where": {k: list(v) for k, v in sorted(s.where.items())},
-                }
+                name: {"repeat": s.repeat, "where": {k: list(v) for k, v in sorted(s.where.items())}}
                 for name, s in self.sources.items()
             },
-            "phases": [p.model_dump() for p in self.phases],
             "epoch_samples": self.epoch_samples,
             "interleave": self.interleave,
         }
+
+    def schedule_fingerprint(self) -> str:
+        """A hash of the weights and phases: a state saved under others is a mixture change (refused unless allowed)."""
+        values = {
+            "weights": {n: s.weight for n, s in self.sources.items()},
+            "phases": [p.model_dump() for p in self.phases],
+        }
+        return xxhash.xxh3_64_hexdigest(json.dumps(values, sort_keys=True).encode())

@@ -200,14 +200,16 @@ class Plan:
 
     def _probe_lengths(self, size: int) -> dict[str, np.ndarray]:
         """Stream lengths of an even sample of ``size`` positions of the index (what buckets are estimated from)."""
-        if self.mixture is not None:  # a run of the mixed stream is an even sample of the mixture, in its shares
-            return self.stream_lengths(self.mixture.slice(0, 0, min(self.num_samples, size)))
-        probe = np.unique(np.linspace(0, self.num_samples - 1, min(self.num_samples, size)).astype(np.int64))
+        # a mixture's probe is of its sources' samples, not of its weights: a weight change keeps the buckets, so the
+        # window in progress forms the same micro-batches after it (`change_mixture`)
+        total = self.mixture.total_samples if self.mixture is not None else self.num_samples
+        probe = np.unique(np.linspace(0, total - 1, min(total, size)).astype(np.int64))
         return self.stream_lengths(probe)
 
     @property
     def layout(self) -> MixLayout | None:
-        """Budget mode's buckets per modality mix (their estimated padding per stream in ``layout.estimate``), or None."""
+        """Budget mode's buckets per modality mix (their estimated padding per stream in ``layout.estimate``), or
+        None."""
         return self._bucket_plan.layout
 
     @property
@@ -233,9 +235,15 @@ class Plan:
             return (window + 1) * self.num_samples // windows
         return min((window + 1) * self.window_size, self.num_samples)
 
+    def window_reach(self, epoch: int, window: int, start: int) -> int:
+        """The stream offset past every sample that window ``window`` (starting at ``start``) reads: its own and the
+        ones it may borrow; what it forms depends on nothing beyond."""
+        return max(start, self._nominal_end(epoch, window)) + self._lookahead()
+
     @property
     def carry_limit(self) -> int:
-        """The most samples a window carries into the next: ``bucketing.carry``, at most a window's worth (0 unless budget mode)."""
+        """The most samples a window carries into the next: ``bucketing.carry``, at most a window's worth (0 unless
+        budget mode)."""
         bucketing = self.bucketing
         return min(bucketing.carry, self.window_size) if bucketing is not None and bucketing.mode == "budget" else 0
 

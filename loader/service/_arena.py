@@ -189,7 +189,8 @@ def _reference(array: np.ndarray, segment: Segment) -> bytes:
 
 
 def read_reference(data: bytes) -> tuple[int, int, int, str, tuple[int, ...]]:
-    """A tensor reference's fields: (segment slot, generation, byte offset, dtype name, shape); ValueError if malformed."""
+    """A tensor reference's fields: (segment slot, generation, byte offset, dtype name, shape); ValueError if
+    malformed."""
     if len(data) < _REF.size:
         raise ValueError("a tensor reference is too short")
     slot, generation, offset, dtype_code, ndim = _REF.unpack_from(data)
@@ -202,7 +203,8 @@ def read_reference(data: bytes) -> tuple[int, int, int, str, tuple[int, ...]]:
 
 
 def batch_hook(make: Callable[[bytes], Any]) -> Callable[[int, bytes], Any]:
-    """The msgpack extension hook of a batch frame: a key blob becomes the list of keys, a tensor reference ``make(it)``."""
+    """The msgpack extension hook of a batch frame: a key blob becomes the list of keys, a tensor reference
+    ``make(it)``."""
 
     def hook(code: int, data: bytes) -> Any:
         if code == KEYS_EXT:

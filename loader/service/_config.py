@@ -46,8 +46,8 @@ class ServiceConfig(BaseModel):
     switch_interval_s: float | None = Field(
         default=0.0005,
         gt=0,
-        description="The interpreter's thread switch interval (sys.setswitchinterval) in the service's process while it "
-        "runs; null: Python's own (5 ms). One interpreter lock serves every rank's decode threads, which drop and "
+        description="The interpreter's thread switch interval (sys.setswitchinterval) in the service's process while "
+        "it runs; null: Python's own (5 ms). One interpreter lock serves every rank's decode threads, which drop and "
         "retake it for each chunk or frame they decode: at 5 ms a thread that wants it back waits behind any Python "
         "running, and the node's production fell to 0.7x two in-process feeds (benchmarks/RESULTS.md, issue 29).",
     )

@@ -115,7 +115,8 @@ class Handshake:
         return Hello(rank, world, dp_rank, dp_world, accum, position, token, resume, message.get("attempt"))
 
     def length(self, message: Mapping[str, Any]) -> int:
-        """Micro-batches a data-parallel rank at ``state`` receives until its epoch is delivered (``len(FeedClient)``)."""
+        """Micro-batches a data-parallel rank at ``state`` receives until its epoch is delivered
+        (``len(FeedClient)``)."""
         dp_world = _int(message, "dp_world_size", 1, MAX_WORLD)
         accum = _int(message, "grad_accum", 1, MAX_GRAD_ACCUM)
         self._check_step(dp_world, accum)

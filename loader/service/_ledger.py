@@ -36,7 +36,8 @@ class BatchLedger:
 
     # -- hand-over --------------------------------------------------------------------------
     def hand_over(self, harvested: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> None:
-        """Keep a retired stream's untaken batches (delivery record, decoded samples) for whichever stream deals them."""
+        """Keep a retired stream's untaken batches (delivery record, decoded samples) for whichever stream deals
+        them."""
         with self._lock:
             for record, samples in harvested:
                 self._handover[(record["epoch"], record["micro_batch"])] = (record["keys"], samples)

@@ -55,6 +55,13 @@ DECODE_LATENCY = _m(
     "time a decode worker spent on one field (read and decode), percentile over a sliding window",
 )
 BAD = _m("bad_samples", "counter", "modality reason", "samples that could not be read or decoded")
+SOURCE_SAMPLES = _m("source_samples", "counter", "source", "samples of the mixture source delivered to clients")
+SOURCE_TOKENS = _m(
+    "source_tokens", "counter", "source", "text tokens (the index's count) of the source's delivered samples"
+)
+SOURCE_REPLACED = _m(
+    "source_replaced", "counter", "source", "planned samples of the source that failed and were replaced (healing)"
+)
 CACHE_HITS = _m("cache_hits", "counter", "tier", "lookups the tier answered")
 CACHE_MISSES = _m("cache_misses", "counter", "tier", "lookups the tier did not hold")
 CACHE_HIT_RATIO = _m("cache_hit_ratio", "gauge", "tier", "hits / (hits + misses) since the service started")

@@ -69,6 +69,9 @@ from ._metric_specs import (
     SEGMENTS,
     SERVICE,
     SNAPSHOT_OK,
+    SOURCE_REPLACED,
+    SOURCE_SAMPLES,
+    SOURCE_TOKENS,
     STORAGE_BYTES,
     STORAGE_DEGRADED,
     STORAGE_DEGRADED_CHANGES,
@@ -228,6 +231,10 @@ def _fill(families: _Families, snap: Mapping[str, Any]) -> None:
                 families.add(DECODE_LATENCY, value, modality, q)
         for reason, count in _section(stats, "bad").items():
             families.add(BAD, count, modality, reason)
+    for source, stats in _section(snap, "sources").items():  # a mixture's sources (none for one index)
+        if isinstance(stats, Mapping):
+            for spec, key in ((SOURCE_SAMPLES, "samples"), (SOURCE_TOKENS, "tokens"), (SOURCE_REPLACED, "replaced")):
+                families.add(spec, stats.get(key), source)
     cache = _section(snap, "cache")
     for tier, stats in cache.items():
         if tier != "remote" and isinstance(stats, Mapping):

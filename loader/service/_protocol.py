@@ -5,8 +5,8 @@ descriptors (shared-memory segments, service → client only) travel as ``SCM_RI
 ancillary data with the first bytes of the frame that names them. Nothing is ever
 unpickled: msgpack builds only maps, arrays, strings, bytes, numbers, booleans and nil,
 and the two extension types (a tensor reference, ``TENSOR_EXT``; a batch's keys as one blob,
-``KEYS_EXT``) are accepted only by the client, from the service. Frame sizes are bounded on both sides (``MAX_REQUEST_BYTES``,
-``MAX_REPLY_BYTES``); a larger frame is refused before its body is read.
+``KEYS_EXT``) are accepted only by the client, from the service. Frame sizes are bounded on both sides
+(``MAX_REQUEST_BYTES``, ``MAX_REPLY_BYTES``); a larger frame is refused before its body is read.
 
 Requests (client → service): ``hello`` (protocol, who the client is, where it continues),
 ``next`` (the next batch; releases batches the client no longer holds), ``metrics``, ``bye``.

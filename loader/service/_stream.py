@@ -240,7 +240,8 @@ class Stream:
             attached = self.clients.pop(client, None)
             if attached is None:
                 return
-            self._regroup()  # a peer that declared a larger group than the others have left: batches need not wait for it
+            # a peer that declared a larger group than the others have left: batches need not wait for it
+            self._regroup()
             for ready in self.ready:
                 if attached.token in ready.holders:
                     ready.holders.discard(attached.token)

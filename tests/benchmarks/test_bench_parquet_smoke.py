@@ -1,4 +1,5 @@
-"""The Parquet/Arrow random-access benchmark's harness runs end to end on a tiny size (checks the harness, not speed)."""
+"""The Parquet/Arrow random-access benchmark's harness runs end to end on a tiny size (checks the harness, not
+speed)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Buckets per modality mix: secondary streams (captions, transcripts) get cells of their own lengths, as many as the data bears."""
+"""Buckets per modality mix: secondary streams (captions, transcripts) get cells of their own lengths, as many as the
+data bears."""
 
 from __future__ import annotations
 

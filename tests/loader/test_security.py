@@ -42,7 +42,8 @@ PACKAGES = ("loader", "cache", "bucketing", "trainer_adapter", "tools")
 
 # Calls that would run code or build arbitrary objects from bytes; each place allowed is listed with why.
 DANGEROUS = re.compile(
-    r"pickle\.loads?\(|\bUnpickler\b|\beval\(|\bexec\(|yaml\.(?:load|unsafe_load|full_load)(?:_all)?\(|marshal\.loads?\("
+    r"pickle\.loads?\(|\bUnpickler\b|\beval\(|\bexec\("
+    r"|yaml\.(?:load|unsafe_load|full_load)(?:_all)?\(|marshal\.loads?\("
     r"|\bfrom\s+(?:pickle|marshal|yaml)\s+import\s+[^#]*\b(?:loads?|Unpickler|unsafe_load|full_load|Loader)\b"
     r"|\bimport\s+(?:pickle|marshal)\s+as\b"
     r"|\bdill\b|\bcloudpickle\b|\bshelve\b|jsonpickle|allow_pickle\s*=\s*True|torch\.load\((?!.*weights_only=True)"

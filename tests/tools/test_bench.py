@@ -1,4 +1,5 @@
-"""`omnifeed bench --quick`: the harness runs each installed loader, reports the others, and writes its report and plot."""
+"""`omnifeed bench --quick`: the harness runs each installed loader, reports the others, and writes its report and
+plot."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The demo's served phases verify exactly once whatever the timing: ranks skewed, CPUs busy (issue 27).
 
-`omnifeed demo` runs whole. Its toy trainer ranks of one phase share no barrier. Each phase resumes from the checkpoint the
-previous phase committed and commits its own file, so a rank 0 that finishes (and saves) before a peer
+`omnifeed demo` runs whole. Its toy trainer ranks of one phase share no barrier. Each phase resumes from the checkpoint
+the previous phase committed and commits its own file, so a rank 0 that finishes (and saves) before a peer
 starts cannot change what that peer resumes from. Here one rank starts seconds late, another runs slowly,
 and two busy processes hold both CPUs, as on a loaded node; the service's audit log must still cover
 epoch 0 exactly once.
@@ -49,6 +49,9 @@ def test_the_demo_verifies_exactly_once_with_skewed_ranks_on_busy_cpus(tmp_path:
     assert status == 0, text
     assert "OK: every sample of epoch 0 delivered exactly once across 4 -> 3 -> 6 ranks." in text
     assert "OK: the service delivered epoch 0 exactly once across 2 -> 1 -> 3 trainer ranks." in text
+    assert (
+        "OK: each source's samples of mixture epoch 0 delivered as its schedule planned, across 2 -> 3 ranks." in text
+    )
     assert "from the source files: 0" in text, text  # the service ran from the pre-cached NVMe tier
     checkpoints = sorted(p.name for p in (tmp_path / "demo").glob("checkpoint-*.pt"))
     assert checkpoints == ["checkpoint-phase1.pt", "checkpoint-phase2.pt"], "a checkpoint per phase, committed"

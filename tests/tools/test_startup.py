@@ -61,7 +61,8 @@ HEAVY = (
 
 
 def test_help_and_version_import_nothing_heavy() -> None:
-    """`omnifeed --help`, `--version` and every `COMMAND --help` parse flags only (the CLI starts fast on a busy node)."""
+    """`omnifeed --help`, `--version` and every `COMMAND --help` parse flags only (the CLI starts fast on a busy
+    node)."""
     got = fresh(
         "import contextlib, io, json, sys\n"
         "from omnifeed.tools._cli import _parser, main\n"

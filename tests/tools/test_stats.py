@@ -163,6 +163,24 @@ def test_a_sparse_snapshot_renders_without_failing() -> None:
     assert "image" in text
 
 
+def test_the_remote_section_lists_where_each_actor_runs() -> None:
+    node = "ab12cd34ef56" + "0" * 44
+    actors = [
+        {"node": node, "ip": "10.0.0.7", "pid": 4242, "state": "up", "decoded": 31, "lost": 0},
+        {"node": "ffee" * 14, "ip": "10.0.0.8", "pid": 77, "state": "lost", "decoded": 5, "lost": 1},
+    ]
+    modality = {"workers": 1, "target": 2, "max_workers": 2, "decoded": 36, "lost": 1, "actors": actors}
+    snap = {**snapshot(10, waited=1.0, samples=100, image={}), "remote": {"address": "h:6379", "connected": True}}
+    snap["remote"]["modalities"] = {"video": modality}
+    lines = render_stats(snap, None).splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("actor of"))
+    assert lines[header].split() == ["actor", "of", "node", "ip", "pid", "state", "decoded", "lost"]
+    assert lines[header + 1].split() == ["video", "ab12cd34ef56", "10.0.0.7", "4242", "up", "31", "0"]
+    assert lines[header + 2].split() == ["video", "ffeeffeeffee", "10.0.0.8", "77", "lost", "5", "1"]
+    modality.pop("actors")
+    assert "actor of" not in render_stats(snap, None)  # an older service's snapshot: no actor lines
+
+
 def test_the_table_shows_rates_over_the_interval() -> None:
     before = snapshot(10, waited=1.0, samples=800, image={"buffer_samples": 0, "queued": 100})
     after = copy.deepcopy(before) | {"elapsed_s": 20.0, "samples": 1000}
@@ -213,3 +231,19 @@ def test_stats_takes_the_socket_as_serve_does_and_the_old_address_flag(
     )
     assert main(["stats", *flags, "--once", "--json"]) == 0
     assert asked == [flags[1] if flags else default_socket()]
+
+
+def test_a_mixture_shows_a_rate_line_per_source_and_one_index_none() -> None:
+    def sources(photos: int, docs: int) -> dict[str, Any]:
+        return {
+            "photos": {"samples": photos, "tokens": 10 * photos, "replaced": 1},
+            "docs": {"samples": docs, "tokens": 500 * docs, "replaced": 0},
+        }
+
+    before = snapshot(10, waited=1.0, samples=800, image={}) | {"sources": sources(600, 200)}
+    after = snapshot(20, waited=1.5, samples=1000, image={}) | {"sources": sources(760, 240)}
+    rows = {line.split()[0]: line.split() for line in render_stats(after, before).splitlines() if line}
+    assert rows["source"] == ["source", "samples/s", "tokens/s", "share", "replaced"]
+    assert rows["photos"] == ["photos", "16.0", "160.0", "80%", "1"]
+    assert rows["docs"] == ["docs", "4.0", "2000.0", "20%", "0"]
+    assert "source" not in render_stats(snapshot(20, waited=1.5, samples=1000, image={}), None)

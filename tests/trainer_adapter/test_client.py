@@ -30,7 +30,8 @@ dp_world = int(sys.argv[4]) if len(sys.argv) > 4 else world
 group = world // dp_world
 with FeedClient(address, rank=rank, world_size=world, dp_rank=rank // group, dp_world_size=dp_world) as client:
     for batch in client:
-        print(json.dumps({"keys": batch["__key__"], "sum": int(batch["image"]["pixels"].sum()) if "image" in batch else 0}), flush=True)
+        total = int(batch["image"]["pixels"].sum()) if "image" in batch else 0
+        print(json.dumps({"keys": batch["__key__"], "sum": total}), flush=True)
 """
 
 

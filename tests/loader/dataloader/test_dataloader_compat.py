@@ -434,7 +434,8 @@ print([batch.tolist() for batch in loader])
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_workers_start_in_a_process_whose_multiprocessing_heap_an_interrupt_broke(context: str) -> None:
-    """Ctrl-C (or a late SIGCHLD error) inside multiprocessing's shared heap breaks RawArray for good; loaders still start."""
+    """Ctrl-C (or a late SIGCHLD error) inside multiprocessing's shared heap breaks RawArray for good; loaders still
+    start."""
     run = subprocess.run(
         [sys.executable, "-c", _AFTER_A_BROKEN_HEAP, context], capture_output=True, text=True, timeout=120
     )

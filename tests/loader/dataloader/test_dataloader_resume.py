@@ -153,9 +153,10 @@ def assert_resumes_everywhere(
     through_json: bool = True,
 ) -> None:
     """For each stop point: the batches before it, then those of a new loader loaded with the state (through
-    JSON unless the sampler's state is not JSON), equal one uninterrupted epoch. The resumed run restores the global RNG saved with the checkpoint, as
-    a training script does (a state saved before the epoch's first batch leaves the shuffle seed to be drawn
-    with the next batch, as an uninterrupted run draws it); ``restore_rng=False`` scrambles it instead."""
+    JSON unless the sampler's state is not JSON), equal one uninterrupted epoch. The resumed run restores the global RNG
+    saved with the checkpoint, as a training script does (a state saved before the epoch's first batch leaves the
+    shuffle seed to be drawn with the next batch, as an uninterrupted run draws it); ``restore_rng=False`` scrambles it
+    instead."""
     torch.manual_seed(seed)
     expected = [values(b) for b in make()]
     for stop in points if points is not None else range(len(expected) + 1):

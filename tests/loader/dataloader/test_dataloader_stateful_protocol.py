@@ -59,7 +59,8 @@ class CountingMap(Dataset):
 
 
 class RngMap(Dataset):
-    """Its state is the global torch RNG (torchdata's ``DummyMapDataset``): restoring it must precede the epoch's draws."""
+    """Its state is the global torch RNG (torchdata's ``DummyMapDataset``): restoring it must precede the epoch's
+    draws."""
 
     def __len__(self) -> int:
         return 12

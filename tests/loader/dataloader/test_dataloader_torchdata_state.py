@@ -1,4 +1,5 @@
-"""A real torchdata ``StatefulDataLoader`` checkpoint loads into ``DataLoader`` and continues with StatefulDataLoader's batches."""
+"""A real torchdata ``StatefulDataLoader`` checkpoint loads into ``DataLoader`` and continues with StatefulDataLoader's
+batches."""
 
 from __future__ import annotations
 

@@ -260,7 +260,8 @@ def test_text_module_tokenizer(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     (tmp_path / "my_tok.py").write_text(
         "def words(text):\n    return [len(w) for w in text.split()]\n"
         "def bad(text):\n    return ['a', 'b']\n"
-        "def tensor(text):\n    import torch\n    return torch.tensor([len(w) for w in text.split()], dtype=torch.int32)\n"
+        "def tensor(text):\n    import torch\n"
+        "    return torch.tensor([len(w) for w in text.split()], dtype=torch.int32)\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     text, ids = decode_text(b"a bb ccc", TextDecodeConfig(tokenizer="my_tok:words"))

@@ -52,7 +52,8 @@ def test_the_allocator_frees_a_range_only_when_no_view_of_it_remains() -> None:
     worker = WorkerScratch(arena.buffer)
     block = arena.reserve()
     assert block is not None
-    skeleton, specs = worker.place(("s", np.arange(10, dtype=np.int32), np.ones((2, 3), np.float32)), block)  # type: ignore[misc]
+    value = ("s", np.arange(10, dtype=np.int32), np.ones((2, 3), np.float32))
+    skeleton, specs = worker.place(value, block)  # type: ignore[misc]
     text, first, second = arena.adopt(block, skeleton, specs)
     assert text == "s" and first.tolist() == list(range(10)) and second.tolist() == [[1.0] * 3] * 2
     assert type(first) is np.ndarray and first.flags.writeable

@@ -1,4 +1,5 @@
-"""Decode worker processes under kill -9 (found by `omnifeed chaos`): a retry, never a hang, a lost pool or an orphan."""
+"""Decode worker processes under kill -9 (found by `omnifeed chaos`): a retry, never a hang, a lost pool or an
+orphan."""
 
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ if __name__ == "__main__":
 
 
 def test_decode_workers_do_not_run_the_trainers_script_again(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """A worker runs omnifeed's decode functions only: the script's top level (torch, the model) runs once, in the trainer."""
+    """A worker runs omnifeed's decode functions only: the script's top level (torch, the model) runs once, in the
+    trainer."""
     script, runs = tmp_path / "train.py", tmp_path / "runs.txt"
     script.write_text(_SCRIPT_WITH_SIDE_EFFECTS)
     done = subprocess.run([sys.executable, str(script), str(runs)], capture_output=True, text=True, timeout=120)

@@ -139,3 +139,29 @@ def index_for_faults(demo_shards: list[Path], tmp_path_factory: pytest.TempPathF
     out = tmp_path_factory.mktemp("faults") / "index"
     build_index([str(p) for p in demo_shards], out, IndexConfig(workers=1), progress=False)
     return SampleIndex(out)
+
+
+def test_in_a_mixture_a_damaged_sample_is_replaced_by_one_of_its_own_source(
+    damaged: tuple[SampleIndex, dict[str, str]], index_dir: Path
+) -> None:
+    from omnifeed.loader.index import MixtureIndex
+
+    bad, damaged_keys = damaged
+    mixture = {
+        "sources": {"bad": {"index": str(bad.path), "weight": 1}, "good": {"index": str(index_dir), "weight": 1}}
+    }
+    config = FeedConfig(plan=PlanConfig(seed=1, batch_size=4, mixture=mixture), error_budget=0.5)
+    index = MixtureIndex([("bad", bad, None), ("good", SampleIndex(index_dir), None)])
+    with Feed(index, config) as feed:
+        batches = list(feed)
+    replaced = [(batch["__key__"][i], key) for batch in batches for i, key, _ in batch["__info__"]["replaced"]]
+    assert {key for _, key in replaced} == {f"bad/{key}" for key in damaged_keys}
+    assert all(by.split("/")[0] == key.split("/")[0] for by, key in replaced), replaced  # the shares stay as planned
+
+
+def test_a_stand_in_for_a_mixture_sample_comes_from_its_own_source() -> None:
+    from omnifeed.loader.feed._healing import fallback_positions, replacement_slot
+
+    assert replacement_slot(0, [False, True, True], [7, 3, 7]) == 2  # the next healthy one of source 7
+    assert replacement_slot(0, [False, True, False], [7, 3, 7]) is None  # none of its source: a stand-in
+    assert all(100 <= p < 150 for p in fallback_positions(120, 50, start=100))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from feed_service import ServiceProcess, short_socket_dir
@@ -27,7 +28,8 @@ PHASED = {
 
 @pytest.fixture(scope="module")
 def folder(index_dir: Path, demo_parquet: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder holding two indexes of the demo data (its tar shards, its Parquet file), named as a config names them."""
+    """A folder holding two indexes of the demo data (its tar shards, its Parquet file), named as a config names
+    them."""
     out = tmp_path_factory.mktemp("mixture")
     (out / "tar-index").symlink_to(index_dir)
     build_index([str(demo_parquet)], out / "parquet-index", IndexConfig(workers=1), progress=False)
@@ -109,3 +111,32 @@ def test_the_service_serves_a_mixture_named_in_its_config_as_the_in_process_feed
     finally:
         assert service.stop() == 0, service.output()
     assert got == expected
+
+
+def test_new_weights_for_a_checkpointed_feed_are_refused_unless_allowed_then_no_source_repeats_or_skips(
+    folder: Path,
+) -> None:
+    from omnifeed.loader import StateMismatchError
+
+    old, new = (
+        feed_config(folder, MIXTURE, "old.yaml"),
+        feed_config(folder, {**PHASED, "phases": [PHASED["phases"][1]]}),
+    )
+    with Feed(None, old) as feed:
+        keys = [k for _ in range(5) for k in feed.next_batch()["__key__"]]
+        state, index = feed.state_dict(), feed.index
+    with Feed(index, new) as changed:
+        with pytest.raises(StateMismatchError, match="allow_mixture_change"):
+            changed.load_state_dict(state)
+        changed.load_state_dict(state, allow_mixture_change=True)
+        while changed.epoch == 0:
+            keys += changed.next_batch()["__key__"]
+        plan = changed.plan
+    assert plan.mixture is not None and plan.mixture.change_at is not None
+    positions = index.positions_of(keys)
+    source, _ = index.locate(positions)
+    for s, size in enumerate(index.sizes.tolist()):  # each source: the first of its own order, none skipped, none twice
+        mine = positions[source == s]
+        k = np.arange(mine.size)
+        expected = index.offsets[s] + plan.mixture.schedule._samples(np.full(mine.size, s), k)  # noqa: SLF001
+        assert sorted(mine.tolist()) == sorted(expected.tolist())

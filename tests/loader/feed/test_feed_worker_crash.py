@@ -1,4 +1,5 @@
-"""A decode worker process that dies (kill -9, out of memory) costs a retry, never a sample (found by `omnifeed chaos`)."""
+"""A decode worker process that dies (kill -9, out of memory) costs a retry, never a sample (found by
+`omnifeed chaos`)."""
 
 from __future__ import annotations
 

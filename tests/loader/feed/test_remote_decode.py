@@ -1,4 +1,5 @@
-"""Decoding on Ray actors of a local two-node cluster: the bytes local decoding makes, each sample once, faults included."""
+"""Decoding on Ray actors of a local two-node cluster: the bytes local decoding makes, each sample once, faults
+included."""
 
 from __future__ import annotations
 
@@ -155,6 +156,11 @@ def test_an_actor_killed_and_a_node_removed_mid_epoch_lose_and_duplicate_nothing
     assert all(same_values(g, e) for g, e in zip(got, local_batches)) and len(got) == len(local_batches)
     assert sum(m["lost"] for m in stats.values()) >= 1, stats  # tasks that met a dead actor, decoded here
     assert all(m["workers"] == 0 for m in stats.values()), stats  # no node left for actors: all local now
+    # Each actor that ran is listed where it ran (the removed node), with its decodes and whether it was lost.
+    actors = [a for m in stats.values() for a in m["actors"]]
+    assert {a["node"] for a in actors} == {cluster.worker.node_id} and all(a["pid"] > 0 for a in actors), actors
+    assert all(sum(a[k] for a in m["actors"]) == m[k] for m in stats.values() for k in ("decoded", "lost")), stats
+    assert any(a["state"] == "lost" for a in stats["image"]["actors"]), stats["image"]["actors"]  # the one killed
 
 
 def test_a_task_past_its_deadline_is_decoded_here_and_the_late_answer_dropped(

@@ -1,4 +1,5 @@
-"""Mixtures (issue 31): the schedule's shares and exactly once per source epoch, through resizes, budgets and packing."""
+"""Mixtures (issue 31): the schedule's shares and exactly once per source epoch, through resizes, budgets and
+packing."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnifeed.bucketing import BucketingConfig, CostModel
+from omnifeed.loader import StateMismatchError
 from omnifeed.loader.plan import MixtureConfig, Plan, PlanConfig, PlanCursor, mixture_stream
 from omnifeed.loader.plan._mixture import MixturePhase, MixtureSchedule
 
@@ -197,3 +199,65 @@ def test_realised_shares_hold_within_half_a_point_over_any_1000_micro_batches_wi
 def test_a_mixture_that_cannot_be_dealt_is_refused_saying_what_to_change(mixture: dict, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         MixtureConfig.model_validate(mixture)
+
+
+def weighted_plan(sizes: list[int], weights: list[float], mode: str = "budget") -> Plan:
+    plan = mixture_plan(sizes, weights, mode, 16384.0)
+    return plan
+
+
+def source_sequence(plan: Plan, source: int, count: int) -> list[int]:
+    """Source ``source``'s first ``count`` samples in its own order (source epochs one after another), as global
+    positions: what any history of weights delivers of it once it has delivered ``count``."""
+    assert plan.mixture is not None
+    schedule = plan.mixture.schedule
+    k = np.arange(count)
+    samples = schedule._samples(np.full(count, source), k)  # noqa: SLF001
+    return sorted((plan.mixture.offsets[source] + samples).tolist())
+
+
+@pytest.mark.parametrize("mode", ["budget", "fixed"])
+def test_a_weight_change_is_refused_unless_allowed_then_each_source_goes_on_from_its_position(mode: str) -> None:
+    sizes = [1500, 700, 400]
+
+    def make(weights: list[float]) -> Plan:
+        if mode == "fixed":
+            names = [f"s{i}" for i in range(3)]
+            mixture = MixtureConfig(sources={n: {"index": n, "weight": w} for n, w in zip(names, weights)})
+            stream = mixture_stream(mixture, sizes, 3)
+            config = PlanConfig(seed=3, batch_size=8, mixture=mixture, window_size=400)
+            return Plan(stream.num_samples, config, index_fingerprint="synthetic", mixture=stream)
+        return weighted_plan(sizes, weights)
+
+    before, after = [0.6, 0.3, 0.1], [0.1, 0.2, 0.7]
+    cursor, dealt = PlanCursor(make(before), world_size=4), []
+    for _ in range(7):
+        dealt.extend(cursor.next_step().micro_batches)
+    state = json.loads(json.dumps(cursor.state_dict()))
+    changed = PlanCursor(make(after), world_size=3)
+    with pytest.raises(StateMismatchError, match="allow_mixture_change"):
+        changed.load_state_dict(state)
+    changed.load_state_dict(state, allow_mixture_change=True)
+    tail = []
+    while not changed.epoch_delivered(0):
+        tail.extend(mb for mb in changed.next_step().micro_batches if mb.epoch == 0)
+    delivered = np.concatenate([mb.positions for mb in dealt + tail])
+    starts = np.cumsum([0, *sizes])
+    owner = np.searchsorted(starts, delivered, side="right") - 1
+    plan = make(after)
+    for s in range(3):  # the epoch holds the first samples of each source's own sequence, whatever the weights were
+        mine = delivered[owner == s]
+        assert sorted(mine.tolist()) == source_sequence(plan, s, mine.size)
+    at = changed.plan.mixture.change_at if changed.plan.mixture is not None else None
+    assert at is not None and 0 < at < plan.num_samples
+    late = changed.plan.mixture.sources(0, at, plan.num_samples)
+    assert np.abs(np.bincount(late, minlength=3) / late.size - after).max() < 0.01  # the new weights from there
+    again = json.loads(json.dumps(changed.state_dict()))
+    assert again["mixture"]["schedule"] == plan.mixture.fingerprint  # the event is in the state: no flag needed now
+    resumed = PlanCursor(make(after), world_size=2)
+    resumed.load_state_dict(again)
+    go_on = PlanCursor(make(after), world_size=2)
+    go_on.load_state_dict(again)
+    assert [mb.positions.tolist() for _ in range(5) for mb in resumed.next_step().micro_batches] == [
+        mb.positions.tolist() for _ in range(5) for mb in go_on.next_step().micro_batches
+    ]

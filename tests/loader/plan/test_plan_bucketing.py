@@ -235,7 +235,8 @@ def _columns(n: int, seed: int = 0, speech: float = 0.0, long_documents: int = 0
 
 
 def _plan_of(columns: dict[str, np.ndarray], budget: float, **config: object) -> Plan:
-    cfg = PlanConfig(seed=2, bucketing=BucketingConfig(budget=budget, overlong="alone"), **config)  # type: ignore[arg-type]
+    bucketing = BucketingConfig(budget=budget, overlong="alone")
+    cfg = PlanConfig(seed=2, bucketing=bucketing, **config)  # type: ignore[arg-type]
     return Plan(
         len(columns["text_tokens"]), cfg, index_fingerprint=FP, lengths=lambda p: {k: v[p] for k, v in columns.items()}
     )

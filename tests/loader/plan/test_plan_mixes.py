@@ -1,4 +1,5 @@
-"""Bucketing on any mix (issue 29): generated multimodal mixes, not the benchmark's, hold the padding and balance bounds.
+"""Bucketing on any mix (issue 29): generated multimodal mixes, not the benchmark's, hold the padding and balance
+bounds.
 
 Each example generates an index of four modality mixes — documents; photos with captions; clips
 with captions; speech with transcripts — with shares of 1–80 % each, log-normal lengths of random

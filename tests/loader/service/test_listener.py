@@ -48,7 +48,9 @@ def test_the_directory_is_created_0700_and_an_existing_one_is_never_chmodded(fol
         (lambda p: p.write_text("x"), "is not a directory"),
     ],
 )
-def test_a_directory_that_is_a_link_or_a_file_is_refused(folder: Path, make, words: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_directory_that_is_a_link_or_a_file_is_refused(  # type: ignore[no-untyped-def]
+    folder: Path, make, words: str
+) -> None:
     make(folder / "sockets")
     with pytest.raises(OmnifeedError, match=words) as refused:
         private_directory(folder / "sockets")

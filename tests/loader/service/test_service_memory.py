@@ -1,4 +1,5 @@
-"""The service's memory over epochs: decoded batches are freed when dropped, RSS levels off, fds and threads do not grow.
+"""The service's memory over epochs: decoded batches are freed when dropped, RSS levels off, fds and threads do not
+grow.
 
 What climbed (benchmarks/bench_service_memory.py, docs/service.md "Memory"): with an http://
 origin every field read ahead in an I/O thread made a reference cycle (the read's future keeps

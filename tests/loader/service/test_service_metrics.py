@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import re
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from omnifeed.loader.service._metric_specs import METRICS
 from omnifeed.loader.service._metrics import MetricsServer, start_metrics_server
-from omnifeed.loader.service._metrics_collector import quantile_label
+from omnifeed.loader.service._metrics_collector import ServiceCollector, quantile_label
 
 SNAPSHOT: dict[str, Any] = {
     "service": {
@@ -224,9 +226,59 @@ def test_percentile_keys_become_quantile_labels(key: str, quantile: str | None) 
     assert quantile_label(key) == quantile
 
 
-def test_the_docs_list_every_metric() -> None:
-    docs = (Path(__file__).parents[3] / "docs" / "service.md").read_text(encoding="utf-8")
-    exposed = [
+def exposed_names() -> list[str]:
+    """Every metric family's name as the exposition writes it (counters end in ``_total``, info in ``_info``)."""
+    return [
         spec.name + ("_total" if spec.kind == "counter" else "_info" if spec.kind == "info" else "") for spec in METRICS
     ]
-    assert [name for name in exposed if f"`{name}`" not in docs] == []
+
+
+SERVICE_DOCS = Path(__file__).parents[3] / "docs" / "service.md"
+
+
+def test_the_docs_list_every_metric() -> None:
+    docs = SERVICE_DOCS.read_text(encoding="utf-8")
+    assert [name for name in exposed_names() if f"`{name}`" not in docs] == []
+
+
+def test_every_metric_name_the_docs_mention_is_one_the_endpoint_exposes(serve: Any) -> None:
+    mentioned = set(re.findall(r"\b(omnifeed_[a-z_]+)(\*?)", SERVICE_DOCS.read_text(encoding="utf-8")))
+    scraped = {name for name, _ in serve(lambda: SNAPSHOT)}
+    assert "omnifeed_decoded_total" in scraped and "omnifeed_decoded" not in scraped  # a counter's sample name
+    known = set(exposed_names()) | scraped
+    unknown = [
+        name + star
+        for name, star in mentioned
+        if (name not in known if not star else not any(k.startswith(name) for k in known))  # `omnifeed_x_*`: a family
+    ]
+    assert sorted(unknown) == []
+
+
+SOURCES = {
+    "photos": {"samples": 300, "tokens": 9000, "replaced": 2, "samples_per_s": 30.0, "tokens_per_s": 900.0},
+    "docs": {"samples": 20, "tokens": 40000, "replaced": 0, "samples_per_s": 2.0, "tokens_per_s": 4000.0},
+}
+
+
+def exposition(snapshot: Any) -> str:
+    """The text a scrape of ``snapshot`` answers."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServiceCollector(lambda: snapshot))
+    return generate_latest(registry).decode()
+
+
+def test_a_mixtures_sources_scrape_as_counters_with_a_source_label(serve: Any) -> None:
+    got = serve(lambda: SNAPSHOT | {"sources": SOURCES | {"junk": 3}})
+    assert got[("omnifeed_source_samples_total", labels(source="photos"))] == 300
+    assert got[("omnifeed_source_tokens_total", labels(source="docs"))] == 40000
+    assert got[("omnifeed_source_replaced_total", labels(source="photos"))] == 2
+    assert got[("omnifeed_source_replaced_total", labels(source="docs"))] == 0
+    assert not any(dict(label).get("source") == "junk" for _, label in got)
+    types = {f.name: f.type for f in text_string_to_metric_families(exposition(SNAPSHOT | {"sources": SOURCES}))}
+    assert {types[f"omnifeed_source_{n}"] for n in ("samples", "tokens", "replaced")} == {"counter"}
+
+
+def test_a_single_index_snapshot_scrapes_as_before_with_no_source_families() -> None:
+    plain, mixed = exposition(SNAPSHOT), exposition(SNAPSHOT | {"sources": SOURCES})
+    assert "source" not in plain
+    assert "\n".join(line for line in mixed.splitlines() if "omnifeed_source_" not in line) == plain.rstrip("\n")
