@@ -75,9 +75,9 @@ class AttemptFeed(Feed):
         self._checkpoint = "start"
         self.attempt: str | None = None  # named at the first delivery since construction or a load
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_mixture_change: bool = False) -> None:
         """`Feed.load_state_dict`; the next delivery opens the attempt that resumed from ``state``."""
-        super().load_state_dict(state)
+        super().load_state_dict(state, allow_mixture_change=allow_mixture_change)
         self._checkpoint = checkpoint_digest(state)
         self.attempt = None
 

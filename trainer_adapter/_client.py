@@ -257,15 +257,16 @@ class FeedClient:
         """The client's data state: the feed state after the last batch it yielded (``Feed.state_dict()``'s format)."""
         return self._source.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> TopologyHints | None:
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_mixture_change: bool = False) -> TopologyHints | None:
         """Continue from ``state``; saved at another data-parallel size or accumulation, it is a resize: its hints.
 
         The service checks the state at once (another index or batching config is refused,
-        naming both fingerprints).
+        naming both fingerprints; a state of other mixture weights or phases too, unless
+        ``allow_mixture_change``: then each source goes on from its position under the new ones).
         """
         position = FeedPosition.from_dict(state)
         saved = (position.world_size, position.grad_accum)
-        self._source.load_state_dict(state)
+        self._source.load_state_dict(state, allow_mixture_change=allow_mixture_change)
         if saved == (self.dp_world_size, self.grad_accum):
             return None
         return self._hints(*saved)

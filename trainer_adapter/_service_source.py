@@ -64,6 +64,7 @@ class ServiceSource:
         self._attempt: str | None = None  # the service's name for the run since then (kept across reconnections)
         self._sock: socket.socket | None = None
         self._state: dict[str, Any] | None = None
+        self._allow_mixture_change = False  # the next hello carries the state over to the service's mixture weights
         self._handoff = Handoff()  # segments mapped, batches the trainer holds and dropped
         self._service = ""  # batch numbers belong to one service process: a release must not reach another
         self._token = uuid.uuid4().hex  # this client, across its reconnections
@@ -110,6 +111,7 @@ class ServiceSource:
             "state": self._state,
             "dp_world_size": self.topology.dp_world_size,
             "grad_accum": self.topology.grad_accum,
+            **({"allow_mixture_change": True} if self._allow_mixture_change else {}),
         }
         while True:
             try:
@@ -129,10 +131,12 @@ class ServiceSource:
         """The feed state after the last batch taken (connecting first if none came yet)."""
         return dict(self._current_state())
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Reconnect resuming from ``state``: the service checks it at once."""
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_mixture_change: bool = False) -> None:
+        """Reconnect resuming from ``state``: the service checks it at once (and carries it over to its mixture
+        weights when ``allow_mixture_change``)."""
         self._goodbye()
         self._state = dict(state)
+        self._allow_mixture_change = allow_mixture_change
         self._resumed_from = checkpoint_digest(state)
         self._attempt = None
         self._connected(time.monotonic() + self.reconnect_timeout_s)
@@ -180,6 +184,7 @@ class ServiceSource:
                 "attempt": self._attempt,
                 "token": self._token,
                 "index_fingerprint": self.index_fingerprint,
+                **({"allow_mixture_change": True} if self._allow_mixture_change else {}),
             }
             try:
                 send(sock, hello)
@@ -191,7 +196,8 @@ class ServiceSource:
         except BaseException:
             sock.close()
             raise
-        self._state = welcome["state"]
+        self._state = welcome["state"]  # carried over, if a mixture change was allowed: later hellos need not allow it
+        self._allow_mixture_change = False
         self.index_fingerprint = welcome["index_fingerprint"]
         self._plan_shape = (int(welcome["batch_size"]), welcome["budget"])
         self._attempt = welcome.get("attempt")

@@ -51,8 +51,8 @@ class BatchSource(Protocol):
         """The feed state after the last batch taken (``Feed.state_dict()``'s format)."""
         ...
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` (the source checks it)."""
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_mixture_change: bool = False) -> None:
+        """Continue from ``state`` (the source checks it; a state of other mixture weights only if allowed)."""
         ...
 
     def resize(self, topology: Topology) -> None:
@@ -95,9 +95,9 @@ class FeedSource:
         """The feed's state."""
         return self.feed.state_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Load ``state`` into the feed."""
-        self.feed.load_state_dict(state)
+        self.feed.load_state_dict(state, allow_mixture_change=allow_mixture_change)
 
     def resize(self, topology: Topology) -> None:
         """Deal the feed's following steps to the data-parallel ranks of ``topology``."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from ..index import MixtureIndex, SampleIndex
-from ..plan import Plan, change_mixture, delivery_record, open_audit_log
+from ..plan import Plan, delivery_record, open_audit_log
 from ._collate import Decoded, collate
 from ._config import FeedConfig
 from ._engine import DecodeEngine, SharedResources, open_feed_index, with_index_tokenizer
@@ -240,7 +240,7 @@ class Feed:
         from its position under this feed's weights after the window in progress)."""
         position = FeedPosition.from_dict(state)
         if allow_mixture_change and self.plan.mixture is not None:
-            position = FeedPosition.from_dict({**state, "plan": change_mixture(position.plan_state, self.plan)})
+            position = position.with_mixture_changed(self.plan)
         self.seek(position)
 
     def seek(self, position: FeedPosition) -> None:

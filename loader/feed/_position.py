@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..plan import Plan, PlanCursor, steps_left_in_epoch
+from ..plan import Plan, PlanCursor, change_mixture, steps_left_in_epoch
 from ._healing import FeedError
 
 FEED_STATE_FORMAT = "omnifeed.feed-state/1"
@@ -51,6 +51,11 @@ class FeedPosition:
         if not isinstance(state["plan"], Mapping):
             raise ValueError("feed state 'plan' must be a plan cursor state")
         return cls(dict(state["plan"]), accum_done)
+
+    def with_mixture_changed(self, plan: Plan) -> FeedPosition:
+        """This position with its plan state carried over to ``plan``'s mixture weights (`change_mixture`; the same
+        position when they are its own). Raises ValueError for a plan state without a mixture position."""
+        return FeedPosition(change_mixture(self.plan_state, plan), self.accum_done)
 
     def to_dict(self) -> dict[str, Any]:
         """The position as a feed state (``Feed.state_dict()``'s format): what travels and what checkpoints hold."""

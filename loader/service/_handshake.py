@@ -101,7 +101,7 @@ class Handshake:
                 "connections at most (max_clients in the service config)",
             )
         self._check_step(dp_world, accum)
-        position = self._position(message.get("state"), dp_world, accum)
+        position = self._position(message.get("state"), dp_world, accum, _allowed(message))
         token = message.get("token", default_token)
         if not isinstance(token, str) or not 0 < len(token) <= 64:
             raise RequestError("protocol", "hello field 'token' must be a string of 1 to 64 characters")
@@ -120,7 +120,7 @@ class Handshake:
         dp_world = _int(message, "dp_world_size", 1, MAX_WORLD)
         accum = _int(message, "grad_accum", 1, MAX_GRAD_ACCUM)
         self._check_step(dp_world, accum)
-        return self._position(message.get("state"), dp_world, accum).micro_batches_left(self.plan)
+        return self._position(message.get("state"), dp_world, accum, _allowed(message)).micro_batches_left(self.plan)
 
     def _check_step(self, dp_world: int, accum: int) -> None:
         if dp_world * accum > self.max_step:
@@ -131,12 +131,16 @@ class Handshake:
                 f"per step ({self._max_step_why}); lower the data-parallel size or the accumulation",
             )
 
-    def _position(self, state: Any, dp_world: int, accum: int) -> FeedPosition:
-        """The hello's state (wire form) read, checked and moved to this topology: one plan cursor, once."""
+    def _position(self, state: Any, dp_world: int, accum: int, change: bool = False) -> FeedPosition:
+        """The hello's state (wire form) read, checked and moved to this topology: one plan cursor, once; with
+        ``change`` (the client allows a mixture change), carried over to this service's mixture weights first."""
         try:
             if state is None:
                 return FeedPosition.start(self.plan, world_size=dp_world, grad_accum=accum)
-            return FeedPosition.from_dict(state).moved_to(self.plan, world_size=dp_world, grad_accum=accum)
+            position = FeedPosition.from_dict(state)
+            if change and self.plan.mixture is not None:
+                position = position.with_mixture_changed(self.plan)
+            return position.moved_to(self.plan, world_size=dp_world, grad_accum=accum)
         except StateMismatchError as exc:
             raise RequestError("fingerprint", str(exc)) from None
         except (ValueError, TypeError, KeyError, FeedError) as exc:
@@ -158,3 +162,11 @@ def epoch_micro_batches(plan: Plan) -> tuple[int, str]:
         count = -(-(n - plan.dropped_per_epoch) // batch)
         return count, f"{count} micro-batches ({n} samples in batches of {batch})"
     return n, f"at most {n} micro-batches (one per sample)"
+
+
+def _allowed(message: Mapping[str, Any]) -> bool:
+    """The hello's ``allow_mixture_change`` (absent: false); a RequestError when it is not a boolean."""
+    value = message.get("allow_mixture_change", False)
+    if not isinstance(value, bool):
+        raise RequestError("protocol", "hello field 'allow_mixture_change' must be true or false")
+    return value

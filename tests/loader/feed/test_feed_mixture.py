@@ -140,3 +140,47 @@ def test_new_weights_for_a_checkpointed_feed_are_refused_unless_allowed_then_no_
         k = np.arange(mine.size)
         expected = index.offsets[s] + plan.mixture.schedule._samples(np.full(mine.size, s), k)  # noqa: SLF001
         assert sorted(mine.tolist()) == sorted(expected.tolist())
+
+
+def test_through_the_service_new_weights_for_a_checkpoint_are_refused_unless_the_client_allows_them(
+    folder: Path,
+) -> None:
+    from omnifeed.loader.service import ServiceError
+
+    changed_mixture = {**PHASED, "phases": [PHASED["phases"][1]]}
+
+    def serve(mixture: dict, name: str) -> tuple[ServiceProcess, Path]:
+        socket = short_socket_dir() / "feed.sock"
+        path = folder / name
+        path.write_text(
+            yaml.safe_dump({"socket": str(socket), "feed": {"plan": {"seed": 4, "batch_size": 4, "mixture": mixture}}})
+        )
+        return ServiceProcess(path, socket).start(), socket
+
+    service, socket = serve(MIXTURE, "old-service.yaml")
+    try:
+        with FeedClient(str(socket)) as client:
+            keys = [k for _ in range(5) for k in client.next_batch()["__key__"]]
+            state = client.state_dict()
+    finally:
+        assert service.stop() == 0, service.output()
+    service, socket = serve(changed_mixture, "new-service.yaml")
+    try:
+        with FeedClient(str(socket)) as client:
+            with pytest.raises(ServiceError, match="allow_mixture_change"):
+                client.load_state_dict(state)
+                client.next_batch()
+        with FeedClient(str(socket)) as client:
+            client.load_state_dict(state, allow_mixture_change=True)
+            while len(keys) < 88:  # the rest of mixture epoch 0 (48 + 40 samples)
+                keys += client.next_batch()["__key__"]
+    finally:
+        assert service.stop() == 0, service.output()
+    with Feed(None, feed_config(folder, changed_mixture, "changed.yaml")) as feed:
+        index, plan = feed.index, feed.plan
+    positions = index.positions_of(keys)
+    source, _ = index.locate(positions)
+    for s in range(len(index.names)):  # each source: the first of its own order, none skipped, none twice
+        mine = positions[source == s]
+        expected = index.offsets[s] + plan.mixture.schedule._samples(np.full(mine.size, s), np.arange(mine.size))  # noqa: SLF001
+        assert sorted(mine.tolist()) == sorted(expected.tolist())
