@@ -46,10 +46,11 @@ def add_bench_commands(sub: Any, command: Callable[..., argparse.ArgumentParser]
     )
     bench.add_argument(
         "--scenario",
-        choices=("loaders", "training"),
+        choices=("loaders", "training", "scale"),
         default="loaders",
         help="loaders: each loader's throughput, CPU, memory, resume cost (default); training: a simulated "
-        "synchronous data-parallel job of --node-ranks ranks over the multimodal mix, GPU utilisation per loader",
+        "synchronous data-parallel job of --node-ranks ranks over the multimodal mix, GPU utilisation per loader; "
+        "scale: the planning side of a large job (dealing CPU per step, state, resume, resize, index open)",
     )
     bench.add_argument(
         "--data",
@@ -88,6 +89,33 @@ def add_bench_commands(sub: Any, command: Callable[..., argparse.ArgumentParser]
     bench.add_argument(
         "--quick", action="store_true", help="tiny sizes: checks the harness, not speed (the test suite's)"
     )
+    scale = bench.add_argument_group("scale scenario")
+    scale.add_argument(
+        "--scale-samples",
+        type=_int_list,
+        default=(1_000_000_000,),
+        metavar="N,...",
+        help="plan sizes in samples (synthetic lengths, no data; default 1000000000)",
+    )
+    scale.add_argument(
+        "--world-sizes", type=_int_list, default=(64, 1024, 4096), metavar="DP,...", help="default 64,1024,4096"
+    )
+    scale.add_argument("--accums", type=_int_list, default=(1, 16), metavar="A,...", help="default 1,16")
+    scale.add_argument(
+        "--cell-seconds",
+        type=float,
+        default=40.0,
+        metavar="S",
+        help="CPU limit of each measurement of a cell (steps, resume, resize); a step still dealing then is "
+        "stopped and recorded as cut (default 40)",
+    )
+    scale.add_argument(
+        "--index-rows",
+        type=int,
+        default=1_000_000,
+        metavar="N",
+        help="rows of the synthetic index whose open time and memory are measured (0: skip; default 1000000)",
+    )
     bench.set_defaults(run=_run_bench)
 
 
@@ -98,9 +126,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _int_list(text: str) -> tuple[int, ...]:
+    values = tuple(int(part) for part in text.split(",") if part)
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, not {text}")
+    return values
+
+
 def _run_bench(args: argparse.Namespace) -> int:
     if args.scenario == "training":
         return _run_bench_training(args)
+    if args.scenario == "scale":
+        return _run_bench_scale(args)
     from ._bench import bench_command
     from ._bench_config import BenchConfig
 
@@ -142,6 +179,21 @@ def _run_bench_training(args: argparse.Namespace) -> int:
     )
     config = TrainingConfig(work=Path(args.out), ranks=args.node_ranks, workers=args.workers, **sizes)
     return training_command(config)
+
+
+def _run_bench_scale(args: argparse.Namespace) -> int:
+    from ._bench_scale import ScaleConfig, scale_command
+
+    config = ScaleConfig(
+        work=Path(args.out),
+        samples=args.scale_samples,
+        world_sizes=args.world_sizes,
+        accums=args.accums,
+        cell_seconds=args.cell_seconds,
+        batch_size=args.batch_size or 8,
+        index_rows=max(0, args.index_rows),
+    )
+    return scale_command(config)
 
 
 def _positive_minutes(text: str) -> float:

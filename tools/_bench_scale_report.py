@@ -1,0 +1,108 @@
+"""How the scale scenario of `omnifeed bench` shows its report: one Markdown table and one PNG."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def _cell(value: Any, unit: str = "", cut: bool = False) -> str:
+    if value is None:
+        return "—"
+    text = f"{value:,.3f}{unit}" if isinstance(value, float) else f"{value:,}{unit}"
+    return f"≥ {text}" if cut else text
+
+
+def render_scale(report: dict[str, Any]) -> str:
+    """The cells as a Markdown table, then the index's figures (what the scenario prints)."""
+    settings, targets = report["settings"], report["targets"]
+    lines = [
+        f"\nscale: planning CPU of one stream (process time), {settings['local_ranks']} local ranks a node assumed; "
+        f"targets: ≤ {targets['per_local_rank_ms']} ms a step per local rank, resume ≤ {targets['resume_s']} s, "
+        f"state ≤ {targets['state_bytes']} bytes, resize ≤ {targets['resize_s']} s; "
+        f"load average {report['machine']['load_average']}\n",
+        "| samples | batching | dp × accum | first step s | ms a step per local rank | steps | state bytes "
+        "| resume s | resize s (to dp) | RSS MB |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in report["cells"]:
+        cut = set(c["cut"])
+        lines.append(
+            f"| {c['samples']:,} | {c['batching']} | {c['dp']:,} × {c['accum']} "
+            f"| {_cell(c['first_step_s'], cut='first_step' in cut)} "
+            f"| {_cell(c.get('per_local_rank_ms'), cut='steps' in cut)} | {c['steps']} "
+            f"| {_cell(c.get('state_bytes'))} | {_cell(c.get('resume_s'), cut='resume' in cut)} "
+            f"| {_cell(c.get('resize_s'), cut='resize' in cut)} ({c.get('resize_to_dp', '—')}) | {c['rss_mb']:.0f} |"
+        )
+    index = report.get("index")
+    if index and "error" not in index:
+        p = index["projection"]
+        lines.append(
+            f"\nindex of {index['rows']:,} rows: opened in {index['open_s']:.3f} s, +{index['rss_open_mb']:.1f} MB "
+            f"resident; one lookup {index['lookup_s'] * 1e3:.1f} ms, +{index['rss_lookup_mb']:.1f} MB after it. "
+            f"Projection to {p['rows']:,} rows ({p['how']}): {p['open_s']} s, {p['rss_open_mb']} MB"
+        )
+    elif index:
+        lines.append(f"\nindex of {index['rows']:,} rows: {index['error']}")
+    return "\n".join(lines)
+
+
+def write_scale_plot(report: dict[str, Any], path: Path) -> Path | None:
+    """Per-step dealing CPU per local rank against dp (log-log), fixed vs budget, each accum; None without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    cells = [c for c in report["cells"] if c.get("per_local_rank_ms") is not None]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), squeeze=False)
+    colors = {"fixed": "tab:gray", "budget": "tab:blue"}
+    for ax, (key, label, target) in zip(
+        axes[0],
+        (
+            ("per_local_rank_ms", "dealing CPU a step per local rank (ms)", report["targets"]["per_local_rank_ms"]),
+            ("resume_s", "resume CPU: new plan + state + one step (s)", report["targets"]["resume_s"]),
+        ),
+    ):
+        for samples in sorted({c["samples"] for c in cells}):
+            for batching in ("fixed", "budget"):
+                for accum in sorted({c["accum"] for c in cells}):
+                    rows = sorted(
+                        (
+                            c
+                            for c in cells
+                            if (c["samples"], c["batching"], c["accum"]) == (samples, batching, accum)
+                            and c[key] is not None
+                        ),
+                        key=lambda c: c["dp"],
+                    )
+                    if not rows:
+                        continue
+                    style = "-" if accum == 1 else "--"
+                    ax.plot(
+                        [c["dp"] for c in rows],
+                        [c[key] for c in rows],
+                        style,
+                        marker="o",
+                        color=colors[batching],
+                        label=f"{batching}, accum {accum}"
+                        + (f", {samples:.0e} samples" if len(set(c["samples"] for c in cells)) > 1 else ""),
+                    )
+                    for c in rows:
+                        if ("steps" if key == "per_local_rank_ms" else "resume") in c["cut"]:  # a lower bound
+                            ax.plot([c["dp"]], [c[key]], marker="^", color="tab:red", markersize=9)
+        ax.axhline(target, color="tab:green", linestyle=":", label="issue 32 target")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("data-parallel world size")
+        ax.set_ylabel(label)
+        ax.set_title(label + "; red ▲: cut (lower bound)", fontsize=9)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
