@@ -23,29 +23,10 @@ from typing import Any
 import numpy as np
 
 from omnifeed.bucketing import BucketingConfig, CostModel
-from omnifeed.loader.plan import Plan, PlanConfig, PlanCursor
-
-try:  # the tree before mixtures has none of this: only --sections single runs there
-    from omnifeed.loader.plan import MixtureConfig, mixture_stream
-except ImportError:  # pragma: no cover
-    MixtureConfig = mixture_stream = None  # type: ignore[assignment,misc]
+from omnifeed.loader.plan import MixtureConfig, Plan, PlanConfig, PlanCursor, mixture_stream
+from omnifeed.tools._bench_scale import synthetic_lengths as synthetic
 
 COST = CostModel(video_fps=2.0, video_max_frames=16)
-
-
-def synthetic(positions: np.ndarray) -> dict[str, np.ndarray]:
-    """Length columns from a hash of each position: captions with photos (2 of 3) and documents (1 of 3)."""
-    x = np.asarray(positions, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
-    x ^= x >> np.uint64(29)
-    u = (x % np.uint64(1_000_003)).astype(np.float64) / 1_000_003
-    photo = (positions % 3) != 0
-    zeros = np.zeros(len(positions))
-    return {
-        "text_tokens": np.where(photo, 8 + (u * 40).astype(np.int64), (np.exp(4 + 3 * u)).astype(np.int64)),
-        "image_width": np.where(photo, 200 + (u * 1800).astype(np.int64), 0),
-        "image_height": np.where(photo, 200 + ((1 - u) * 1200).astype(np.int64), 0),
-        **{n: zeros for n in ("video_frames", "video_fps", "video_width", "video_height", "audio_seconds")},
-    }
 
 
 def timed(run: Callable[[], Any]) -> tuple[Any, float]:

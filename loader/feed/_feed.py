@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import numpy as np
+
 from ..index import MixtureIndex, SampleIndex
 from ..plan import Plan, delivery_record, open_audit_log
 from ._collate import Decoded, collate
@@ -166,7 +168,7 @@ class Feed:
 
     def _assemble(self, pending: PendingBatch) -> Taken:
         healthy = [slot.failure is None for slot in pending.slots]
-        sources = self._sources_of([slot.position for slot in pending.slots]) if not all(healthy) else None
+        sources = self._sources_of([slot.position for slot in pending.slots])
         failures: list[SampleFailure] = []
         chosen: list[Slot] = []
         replaced: list[list[Any]] = []
@@ -179,7 +181,12 @@ class Feed:
             chosen.append(pending.slots[j] if j is not None else self._stand_in(slot))
             replaced.append([i, slot.sample.key, slot.failure.reason])
             self._metrics.bad(slot.failure.modality, slot.failure.reason)
-        self._count_sources(chosen, [slot for slot in pending.slots if slot.failure is not None])
+        if sources is not None:  # a replacement is of its slot's source: the planned sources are the delivered ones
+            self._metrics.from_sources(
+                np.asarray(sources),
+                [slot.sample.lengths.text_tokens for slot in chosen],
+                np.asarray([sources[i] for i, _, _ in replaced], dtype=np.int64),
+            )
         self._budget.record(len(pending.slots), failures)
         info = {
             "epoch": pending.micro_batch.epoch,
@@ -270,14 +277,6 @@ class Feed:
         """Per-modality buffers and decode latency, throughput, bytes read, bad samples, consumer wait; in a
         mixture, per source (``sources``) the samples delivered, their text tokens and the samples replaced."""
         return self._engine.snapshot(self._pipeline.pools.buffers() if self._pipeline is not None else {})
-
-    def _count_sources(self, delivered: list[Slot], failed: list[Slot]) -> None:
-        """In a mixture, the delivered samples and their text tokens (the index's lengths), and the planned samples
-        healing replaced, counted per source (`FeedMetrics.from_sources`); one index: nothing."""
-        if isinstance(self.index, MixtureIndex):
-            source, _ = self.index.locate([slot.position for slot in delivered + failed])
-            tokens = [slot.sample.lengths.text_tokens for slot in delivered]
-            self._metrics.from_sources(source[: len(delivered)], tokens, source[len(delivered) :])
 
     def _stop_pipeline(self) -> None:
         if self._pipeline is not None:

@@ -120,11 +120,6 @@ class MixtureIndex:
                 local[mine] = kept[rank[mine]]
         return source, local
 
-    def source_names(self, positions: np.ndarray | Sequence[int]) -> list[str]:
-        """The source name of each global position."""
-        source, _ = self.locate(positions)
-        return [self.names[s] for s in source.tolist()]
-
     def _by_source(self, positions: np.ndarray | Sequence[int]) -> list[tuple[int, np.ndarray, np.ndarray]]:
         """(source, where in ``positions``, local positions) per source the positions touch."""
         source, local = self.locate(positions)

@@ -121,10 +121,6 @@ class MixtureSchedule:
         source, k = np.concatenate(sources), np.concatenate(ranks)
         return source, self._samples(source, k)
 
-    def source_epochs(self, at: int) -> np.ndarray:
-        """Per source, the source epoch its next sample after the first ``at`` mixed samples belongs to."""
-        return self.counts(at) // self.sizes
-
     def _phase_of(self, at: int) -> int:
         if at < self.phases[0].start:
             raise ValueError(f"mixed sample {at} is before this schedule's first phase ({self.phases[0].start})")
@@ -255,10 +251,6 @@ class MixtureStream:
         later."""
         now = self.phases[int(np.searchsorted([p.start for p in self.phases], at, side="right")) - 1]
         return [MixturePhase(at, now.weights), *(p for p in self.phases if p.start > at)]
-
-    def restart(self) -> None:
-        """Back to the config's own schedule from mixed sample 0 (a new run)."""
-        self.schedule, self.change_at = self._config_schedule, None
 
     def slice(self, epoch: int, start: int, stop: int) -> np.ndarray:
         """Global positions of mixed samples ``[start, stop)`` of ``epoch``."""
