@@ -5,14 +5,16 @@ come from a hash of the position (`synthetic_lengths`), at one data-parallel wor
 accumulation × batching (fixed batches, or a cost budget with ``overlong: alone``), and measures
 with ``time.process_time`` (CPU of this process):
 
-- the first step (``next_step()`` + ``for_rank(0)``; it plans the first window), then the mean of
+- the first step (``next_step()`` + ``for_rank(r)`` for each of a node's ``local_ranks`` ranks: a node
+  deals each step once for all its streams, `DealtSteps`; it plans the first window), then the mean of
   later steps, taken over at least ``steps`` steps and until the cursor has crossed a window
   boundary (a budget window is planned once per many steps: a mean inside one window would hide it);
 - the state's size (``json.dumps(cursor.state_dict())``), a resume (a new plan, the state loaded,
   one step) and a resize (the state loaded into a cursor of world size dp/2, one step).
 
-Every stream deals every step of the whole world today, so the dealing CPU per local rank is one
-stream's CPU for a step (a node of ``local_ranks`` streams spends ``local_ranks`` times that).
+The dealing CPU per local rank is the node's CPU for a step over its ``local_ranks`` ranks. Fixed-size batches
+are dealt in closed form (a step computes only the micro-batches the node's ranks take); a cost budget's step
+plans every window the step spans, so its cost follows the world's micro-batches per step.
 Each measurement is bounded: a step still dealing after ``cell_seconds`` of CPU is stopped
 (`DealingStopped`) and the figure recorded as cut (a lower bound).
 
@@ -84,12 +86,15 @@ def plan_config(batching: str, config: ScaleConfig) -> PlanConfig:
     return PlanConfig(seed=1, bucketing=BucketingConfig(budget=config.budget, overlong="alone"))
 
 
-def _deal(cursor: PlanCursor, limit_s: float) -> tuple[float, bool]:
-    """CPU seconds of one step (``next_step`` + rank 0's share), and whether it finished within ``limit_s``."""
+def _deal(cursor: PlanCursor, limit_s: float, local_ranks: int = 1) -> tuple[float, bool]:
+    """CPU seconds of one step dealt for a node (``next_step`` + the shares of its first ``local_ranks`` ranks), and
+    whether it finished within ``limit_s``."""
     start = time.process_time()
     deadline = start + limit_s
     try:
-        cursor.next_step(stop=lambda: time.process_time() > deadline).for_rank(0)
+        step = cursor.next_step(stop=lambda: time.process_time() > deadline)
+        for rank in range(min(local_ranks, cursor.world_size)):
+            step.for_rank(rank)
     except DealingStopped:
         return time.process_time() - start, False
     return time.process_time() - start, True
@@ -120,7 +125,8 @@ def measure_cell(samples: int, dp: int, accum: int, batching: str, config: Scale
         "cut": [],
     }
     cursor = PlanCursor(plan, world_size=dp, grad_accum=accum)
-    first, done = _deal(cursor, limit)
+    local = min(config.local_ranks, dp)
+    first, done = _deal(cursor, limit, local)
     row["first_step_s"] = round(first, 4)
     if not done:  # the stopped first step is the lower bound of every figure; resume and resize would be too
         row["cut"] += ["first_step", "steps", "resume", "resize"]
@@ -129,8 +135,8 @@ def measure_cell(samples: int, dp: int, accum: int, batching: str, config: Scale
             "steps": 0,
             "crossed_window": False,
             "step_s": round(first, 6),
-            "per_local_rank_ms": round(first * 1e3, 3),
-            "node_cpu_s_per_step": round(first * config.local_ranks, 4),
+            "per_local_rank_ms": round(first * 1e3 / local, 3),
+            "node_cpu_s_per_step": round(first, 4),
             "state_bytes": None,
             "resume_s": None,
             "resize_to_dp": max(1, dp // 2),
@@ -140,7 +146,7 @@ def measure_cell(samples: int, dp: int, accum: int, batching: str, config: Scale
     mark = (cursor.epoch, cursor.window)
     spent, steps, deadline = 0.0, 0, time.process_time() + limit
     while steps < MAX_STEPS and (steps < config.steps or (cursor.epoch, cursor.window) == mark):
-        seconds, done = _deal(cursor, max(0.0, deadline - time.process_time()))
+        seconds, done = _deal(cursor, max(0.0, deadline - time.process_time()), local)
         if not done:
             row["cut"].append("steps")
             if steps == 0:  # not one later step finished: the stopped one is a lower bound
@@ -152,8 +158,8 @@ def measure_cell(samples: int, dp: int, accum: int, batching: str, config: Scale
         steps=steps,
         crossed_window=(cursor.epoch, cursor.window) != mark,
         step_s=round(step_s, 6),
-        per_local_rank_ms=round(step_s * 1e3, 3),
-        node_cpu_s_per_step=round(step_s * config.local_ranks, 4),
+        per_local_rank_ms=round(step_s * 1e3 / local, 3),
+        node_cpu_s_per_step=round(step_s, 4),
     )
     state = json.dumps(cursor.state_dict())
     row["state_bytes"] = len(state)
@@ -270,8 +276,8 @@ def run_scale(config: ScaleConfig, log: Callable[[str], None] | None = None) -> 
                 if k not in ("work", "python")
             },
             "elapsed_s": round(time.perf_counter() - started, 1),
-            "assumption": f"{config.local_ranks} local ranks a node; every stream deals each whole step, so the "
-            "dealing CPU per local rank is one stream's CPU for a step and a node spends local_ranks times that",
+            "assumption": f"{config.local_ranks} local ranks a node; a node deals each step once for all its "
+            "ranks (DealtSteps), so the dealing CPU per local rank is the node's CPU for a step over local_ranks",
         },
         "targets": {"per_local_rank_ms": 1.0, "resume_s": 1.0, "state_bytes": 1024, "resize_s": 1.0},
         "cells": cells,

@@ -17,7 +17,7 @@ def render_scale(report: dict[str, Any]) -> str:
     """The cells as a Markdown table, then the index's figures (what the scenario prints)."""
     settings, targets = report["settings"], report["targets"]
     lines = [
-        f"\nscale: planning CPU of one stream (process time), {settings['local_ranks']} local ranks a node assumed; "
+        f"\nscale: planning CPU of a node over its ranks (process time), {settings['local_ranks']} local ranks a node; "
         f"targets: ≤ {targets['per_local_rank_ms']} ms a step per local rank, resume ≤ {targets['resume_s']} s, "
         f"state ≤ {targets['state_bytes']} bytes, resize ≤ {targets['resize_s']} s; "
         f"load average {report['machine']['load_average']}\n",

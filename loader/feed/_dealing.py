@@ -71,7 +71,7 @@ class DealtSteps:
                     self._cursors.popitem(last=False)
             self.dealt += 1
             self._steps[key] = (step, after)
-            self._held += len(step.micro_batches)
+            self._held += step.size
             while len(self._steps) > 1 and (len(self._steps) > self._keep or self._held > self._max_held):
-                self._held -= len(self._steps.popitem(last=False)[1][0].micro_batches)
+                self._held -= self._steps.popitem(last=False)[1][0].size
             return step, after

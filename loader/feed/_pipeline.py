@@ -24,7 +24,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...cache import is_local
@@ -279,7 +279,7 @@ class Pipeline:
                 self._state = after
                 mine = step.for_rank(self.rank)
                 # what a pending batch keeps of its step: the step's numbers, not the W × A micro-batches it dealt
-                step = replace(step, micro_batches=())
+                step = step.numbers()
                 for accum, micro_batch in enumerate(mine):
                     if self._skip:
                         self._skip -= 1

@@ -6,7 +6,7 @@ from ._mixture_index import MixtureIndex, filter_positions
 from ._partition_writer import IndexReport
 from ._ray_build import build_index_ray, check_reachable, import_ray, ray_session
 from ._records import FieldLocation, SampleLengths, ShardSpec
-from ._sample_index import ROW_SCHEMA, IndexedSample, SampleIndex
+from ._sample_index import ROW_SCHEMA, IndexedSample, SampleIndex, even_positions
 from ._scan_pool import default_workers
 from ._sources import column_kinds, expand_sources, read_field
 
@@ -25,6 +25,7 @@ __all__ = [
     "check_reachable",
     "column_kinds",
     "default_workers",
+    "even_positions",
     "expand_sources",
     "filter_positions",
     "import_ray",

@@ -25,8 +25,19 @@ import xxhash
 from .._errors import SourceError
 from ._config import IndexConfig
 from ._damage import DAMAGED_FILE, damage_summary
+from ._mapped_rows import write_arrow_partition
 from ._records import ShardSpec
-from ._sample_index import BY_SHARD, INDEX_FORMAT, LENGTH_COLUMNS, MANIFEST, ROW_SCHEMA, SHARDS, partition_file
+from ._sample_index import (
+    BY_SHARD,
+    EVEN_LENGTHS,
+    INDEX_FORMAT,
+    LENGTH_COLUMNS,
+    MANIFEST,
+    ROW_SCHEMA,
+    SHARDS,
+    even_lengths_table,
+    partition_file,
+)
 
 _ROW_GROUP_ROWS = 65536
 _STAT_QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99}
@@ -119,11 +130,7 @@ def write_index_files(
     for p, table in enumerate(spill.partitions_in_order()):
         table = _dedupe_sorted(table.sort_by([("key", "ascending"), ("shard", "ascending")]), shards, errors)
         pq.write_table(table, out / partition_file(p, "parquet"), row_group_size=_ROW_GROUP_ROWS, compression="zstd")
-        with (
-            pa.OSFile(str(out / partition_file(p, "arrow")), "wb") as sink,
-            pa.ipc.new_file(sink, ROW_SCHEMA) as writer,
-        ):
-            writer.write_table(table, max_chunksize=_ROW_GROUP_ROWS)
+        write_arrow_partition(table, out / partition_file(p, "arrow"), ROW_SCHEMA)
         partitions.append({"file": partition_file(p, "parquet"), "rows": table.num_rows})
         digests.append(xxhash.xxh3_64_hexdigest(table["row_digest"].to_numpy().astype("<u8").tobytes()))
         shard_cols.append(table.select(["shard", "shard_row"]))
@@ -169,6 +176,7 @@ def write_index_files(
         "damaged": damage_summary(damaged),
         "classes": list(classes or []),
     }
+    np.savez(out / EVEN_LENGTHS, **even_lengths_table(lengths, num_samples))  # type: ignore[arg-type]
     if "file" in manifest["damaged"]:
         with open(out / DAMAGED_FILE, "w", encoding="utf-8") as listing:
             listing.writelines(json.dumps(entry) + "\n" for entry in damaged)

@@ -7,11 +7,15 @@ Layout of an index directory (written by ``build_index``)::
     part-00000.arrow       the same rows as uncompressed Arrow IPC (the memory-mapped copy)
     shards.parquet         shard id -> URL, kind, bytes, samples
     by_shard.npy           positions ordered by (shard, order within shard)
+    even-lengths.npz       the length columns of an even sample of rows (`even_positions`),
+                           what a budget plan estimates its buckets from; derived, optional
 
 A sample's *position* is its row number in the concatenation of the partitions
-in order. Opening maps the Arrow files and the ``by_shard`` array; pages are read
-on touch and shared between every process on the node through the page cache, so
-opening costs the same few megabytes for ten samples or ten million.
+in order. Opening maps the Arrow files and the ``by_shard`` array and reads their
+metadata, nothing per row: a chunk of rows is checked in full the first time it is
+read, and pages are read on touch and shared between every process on the node
+through the page cache, so opening costs the same few megabytes for ten samples or
+a hundred million (benchmarks/RESULTS.md, "A billion-row index").
 """
 
 from __future__ import annotations
@@ -28,12 +32,15 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .._errors import IndexFormatError
+from ._mapped_rows import MappedRows
 from ._records import FieldLocation, SampleLengths, ShardSpec, SourceKind
 
 INDEX_FORMAT = "omnifeed.index/1"
 MANIFEST = "manifest.json"
 SHARDS = "shards.parquet"
 BY_SHARD = "by_shard.npy"
+EVEN_LENGTHS = "even-lengths.npz"
+EVEN_SAMPLE = 1 << 19  # rows of the stored even sample: a budget plan's default probe (`even_positions`)
 
 LENGTH_COLUMNS: dict[str, pa.DataType] = {
     "text_tokens": pa.int32(),
@@ -82,6 +89,19 @@ class IndexedSample:
     row: int
 
 
+def even_positions(num_samples: int, size: int) -> np.ndarray:
+    """``size`` positions spread evenly over ``num_samples`` rows, first and last included (fewer when the index is
+    smaller): the sample a budget plan estimates its buckets from."""
+    return np.unique(np.linspace(0, num_samples - 1, min(num_samples, size)).astype(np.int64))
+
+
+def even_lengths_table(lengths: pa.Table, num_samples: int) -> dict[str, np.ndarray]:
+    """The length columns of ``lengths`` (every row of an index, in position order) at `even_positions` of
+    `EVEN_SAMPLE`: what ``even-lengths.npz`` holds."""
+    rows = pa.array(even_positions(num_samples, EVEN_SAMPLE))
+    return {name: lengths[name].take(rows).to_numpy() for name in LENGTH_COLUMNS}
+
+
 def partition_file(partition: int, suffix: str) -> str:
     """File name of a partition (``suffix`` is ``parquet`` or ``arrow``)."""
     return f"part-{partition:05d}.{suffix}"
@@ -105,68 +125,19 @@ class SampleIndex:
             raise IndexFormatError(f"{manifest_path}: unreadable manifest ({exc}); rebuild the index") from exc
         self.num_samples: int = _check_manifest(self.manifest, manifest_path)
         self.fingerprint: str = self.manifest["fingerprint"]
-        self._rows = self._map_partitions()
-        self._chunk_starts = np.cumsum([0] + [len(c) for c in self._rows["key"].chunks], dtype=np.int64)
-        self._checked: set[tuple[str, int]] = set()
-        self._sample_batches: list[pa.RecordBatch] | None = None  # row-aligned chunks of the sample columns
-        self._sample_schema: pa.Schema | None = None
-        self._sample_chunks_checked: set[int] = set()
+        self._rows = MappedRows(self.path, self.manifest["partitions"], ROW_SCHEMA, INDEX_FORMAT)
+        self._chunk_starts = self._rows.chunk_starts
+        self._sample_batches: dict[int, pa.RecordBatch] = {}  # per chunk: its sample columns, checked
         self.shards, self.shard_sizes = _read_shards(self.path / SHARDS, self.num_samples)
         self.by_shard: np.ndarray = _map_by_shard(self.path / BY_SHARD, self.num_samples)
 
-    def _map_partitions(self) -> pa.Table:
-        tables = []
-        for part in self.manifest["partitions"]:
-            arrow_path = self.path / part["file"].replace(".parquet", ".arrow")
-            if not arrow_path.is_file():
-                _write_arrow_copy(self.path / part["file"], arrow_path)
-            try:
-                table = pa.ipc.open_file(pa.memory_map(str(arrow_path), "r")).read_all()
-                table.validate()  # buffer sizes against lengths (cheap); values are checked on first read
-            except (OSError, pa.ArrowException) as exc:
-                raise IndexFormatError(
-                    f"{arrow_path}: unreadable ({exc}); delete it (it is re-created from "
-                    f"{part['file']}) or rebuild the index"
-                ) from exc
-            if not table.schema.equals(ROW_SCHEMA):
-                raise IndexFormatError(
-                    f"{arrow_path}: not the columns of an {INDEX_FORMAT} index; delete it (it is "
-                    f"re-created from {part['file']}) or rebuild the index"
-                )
-            if table.num_rows != part["rows"]:
-                raise IndexFormatError(
-                    f"{arrow_path}: {table.num_rows} rows, manifest says {part['rows']}; rebuild the index"
-                )
-            if any(_nulls(chunk) for column in table.columns for chunk in column.chunks):  # counts from the metadata
-                raise IndexFormatError(
-                    f"{arrow_path}: null values, which an index never holds; delete it (it is "
-                    f"re-created from {part['file']}) or rebuild the index"
-                )
-            tables.append(table)
-        if not tables:
-            return ROW_SCHEMA.empty_table()
-        return pa.concat_tables(tables)
-
     def _chunk(self, name: str, chunk: int) -> pa.Array:
-        """One mapped chunk of a column, fully validated the first time (offsets, UTF-8): a damaged file is an
-        IndexFormatError, never a read outside the mapping (a crash)."""
-        array = self._rows[name].chunk(chunk)
-        if (name, chunk) not in self._checked:
-            try:
-                array.validate(full=True)
-            except pa.ArrowException as exc:
-                first, last = self._chunk_starts[chunk], self._chunk_starts[chunk + 1] - 1
-                raise IndexFormatError(
-                    f"{self.path}: column {name!r} of rows {first}..{last} is damaged ({exc}); rebuild the index"
-                ) from exc
-            self._checked.add((name, chunk))
-        return array
+        """One mapped chunk of a column, fully validated the first time (`MappedRows.column_chunk`)."""
+        return self._rows.column_chunk(name, chunk)
 
     def _column(self, name: str) -> pa.ChunkedArray:
         """A whole column, every chunk validated."""
-        return pa.chunked_array(
-            [self._chunk(name, i) for i in range(self._rows[name].num_chunks)], type=self._rows[name].type
-        )
+        return self._rows.column(name)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -179,13 +150,31 @@ class SampleIndex:
         """The per-modality length columns at ``positions`` (read from the mapped rows, nothing else)."""
         return {name: self._take(name, positions).to_numpy(zero_copy_only=False) for name in LENGTH_COLUMNS}
 
+    def even_lengths(self, size: int) -> dict[str, np.ndarray]:
+        """`length_columns` at `even_positions` of ``size``: read from ``even-lengths.npz`` when the index stores
+        that sample (one small file, not a page of every length column of a billion rows), else from the rows."""
+        positions = even_positions(self.num_samples, size)
+        stored = self._stored_even_lengths(positions.size) if size == EVEN_SAMPLE else None
+        return stored if stored is not None else self.length_columns(positions)
+
+    def _stored_even_lengths(self, rows: int) -> dict[str, np.ndarray] | None:
+        """``even-lengths.npz`` when present and whole (a derived file: anything else falls back to the rows)."""
+        path = self.path / EVEN_LENGTHS
+        if not path.is_file():
+            return None
+        try:
+            with np.load(path, allow_pickle=False) as stored:
+                columns = {name: stored[name] for name in LENGTH_COLUMNS}
+        except Exception:  # noqa: BLE001  any damage: the rows hold the same values
+            return None
+        return columns if all(c.shape == (rows,) for c in columns.values()) else None
+
     def _take(self, name: str, positions: np.ndarray | list[int]) -> pa.Array:
         """One column at ``positions``, chunk by chunk: ``ChunkedArray.take`` would first copy the
         whole mapped column into memory."""
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
             raise IndexError(f"positions outside the index's {self.num_samples} samples")
-        column = self._rows[name]
         chunk_of = np.searchsorted(self._chunk_starts, positions, side="right") - 1
         pieces, placed = [], []
         for chunk in np.unique(chunk_of):
@@ -193,7 +182,7 @@ class SampleIndex:
             pieces.append(self._chunk(name, int(chunk)).take(pa.array(positions[where] - self._chunk_starts[chunk])))
             placed.append(where)
         if not pieces:
-            return pa.array([], type=column.type)
+            return pa.array([], type=ROW_SCHEMA.field(name).type)
         gathered = pa.concat_arrays(pieces)
         back = np.empty(positions.size, dtype=np.int64)
         back[np.concatenate(placed)] = np.arange(positions.size)
@@ -223,24 +212,26 @@ class SampleIndex:
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
             raise IndexError(f"positions outside the index's {self.num_samples} samples")
-        if self._sample_batches is None:
-            table = self._rows.select(list(_SAMPLE_COLUMNS))
-            self._sample_batches, self._sample_schema = table.to_batches(), table.schema
         chunk_of = np.searchsorted(self._chunk_starts, positions, side="right") - 1
         order = np.argsort(chunk_of, kind="stable")
         pieces = []
         for group in np.split(order, np.flatnonzero(np.diff(chunk_of[order])) + 1) if positions.size else []:
             chunk = int(chunk_of[group[0]])
-            if chunk not in self._sample_chunks_checked:
-                for name in _SAMPLE_COLUMNS:
-                    self._chunk(name, chunk)  # validated before its values are read
-                self._sample_chunks_checked.add(chunk)
-            pieces.append(self._sample_batches[chunk].take(pa.array(positions[group] - self._chunk_starts[chunk])))
-        rows = pa.Table.from_batches(pieces, schema=self._sample_schema).to_pylist()
+            pieces.append(self._samples_of(chunk).take(pa.array(positions[group] - self._chunk_starts[chunk])))
+        rows = pa.Table.from_batches(pieces, schema=_SAMPLE_SCHEMA).to_pylist()
         out: list[IndexedSample | None] = [None] * positions.size
         for i, row in zip(order.tolist(), rows):
             out[i] = self._to_sample(int(positions[i]), row)
         return out  # type: ignore[return-value]
+
+    def _samples_of(self, chunk: int) -> pa.RecordBatch:
+        """Chunk ``chunk``'s sample columns, each validated before its values are read."""
+        found = self._sample_batches.get(chunk)
+        if found is None:
+            for name in _SAMPLE_COLUMNS:
+                self._chunk(name, chunk)
+            found = self._sample_batches[chunk] = self._rows.batch(chunk).select(list(_SAMPLE_COLUMNS))
+        return found
 
     def _to_sample(self, position: int, row: dict[str, Any]) -> IndexedSample:
         if not 0 <= row["shard"] < len(self.shards):
@@ -264,38 +255,9 @@ class SampleIndex:
         return found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
-def _write_arrow_copy(parquet_path: Path, arrow_path: Path) -> None:
-    """Recreate the memory-mapped copy of a partition from its Parquet file, row group by row group."""
-    if not parquet_path.is_file():
-        raise IndexFormatError(f"{parquet_path}: partition missing; rebuild the index with `omnifeed index`")
-    tmp = arrow_path.with_suffix(".arrow.tmp")
-    try:
-        source = pq.ParquetFile(parquet_path)
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
-            for group in range(source.num_row_groups):
-                writer.write_table(source.read_row_group(group).cast(ROW_SCHEMA))
-    except (OSError, pa.ArrowException, ValueError, TypeError, KeyError) as exc:  # a bad file or other columns
-        tmp.unlink(missing_ok=True)
-        raise IndexFormatError(
-            f"{parquet_path}: unreadable partition ({type(exc).__name__}: {exc}); "
-            "rebuild the index with `omnifeed index`"
-        ) from exc
-    tmp.replace(arrow_path)
-
-
 _PARTITION_FILE = re.compile(r"part-\d{5,}\.parquet")
 _SAMPLE_COLUMNS = ("key", "shard", "fields", "row_group", "row", *LENGTH_COLUMNS)
-
-
-def _nulls(array: pa.Array) -> int:
-    """Null values in ``array`` and its children, as their metadata counts them (the first full validation of a
-    chunk checks the counts against the validity bitmaps)."""
-    count = array.null_count
-    if isinstance(array, pa.ListArray):
-        count += _nulls(array.values)
-    elif isinstance(array, pa.StructArray):
-        count += sum(_nulls(array.field(i)) for i in range(array.type.num_fields))
-    return count
+_SAMPLE_SCHEMA = pa.schema([ROW_SCHEMA.field(name) for name in _SAMPLE_COLUMNS])
 
 
 def _is_count(value: Any) -> bool:

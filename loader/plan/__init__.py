@@ -10,13 +10,14 @@ from ._audit import (
 )
 from ._budget import alone_costs, budget_guidance, suggest_budget
 from ._config import PlanConfig
-from ._cursor import DealingStopped, PlanCursor, Step, change_mixture, steps_left_in_epoch
+from ._cursor import DealingStopped, PlanCursor, change_mixture, steps_left_in_epoch
 from ._mixture import MixtureStream, mixture_stream, open_mixture
 from ._mixture_audit import MixtureCoverageReport, SourceCoverage, verify_mixture
 from ._mixture_config import MixtureConfig, MixturePhaseConfig, MixtureSource
 from ._mixture_report import MixtureReport
 from ._plan import MicroBatch, Plan
 from ._report import PlanReport
+from ._step import Step
 
 __all__ = [
     "CoverageReport",

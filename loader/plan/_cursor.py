@@ -22,13 +22,14 @@ when the change is allowed (`change_mixture`).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from .._errors import StateMismatchError
-from ._plan import MicroBatch, Plan, WindowPlan
+from ._fixed_form import FixedBatchForm, FixedStep
+from ._plan import Plan, WindowPlan
+from ._step import Step, WindowSpans
 
 # /2 (issue 29): budget mode forms other micro-batches (cells and windows chosen from the data, equal windows,
 # leftovers evened out within their modality mix); a /1 state would resume into another sequence, so it is refused.
@@ -71,23 +72,6 @@ class DealingStopped(Exception):
     """`PlanCursor.next_step` was told to stop in the middle of dealing a step."""
 
 
-@dataclass(frozen=True)
-class Step:
-    """One training step: the ``W × A`` micro-batches it deals, in dealing order."""
-
-    step: int
-    world_size: int
-    grad_accum: int
-    topology_version: int
-    micro_batches: tuple[MicroBatch, ...]
-
-    def for_rank(self, rank: int) -> list[MicroBatch]:
-        """The micro-batches of ``rank``, one per accumulation micro-step, in order."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} outside world size {self.world_size}")
-        return [self.micro_batches[a * self.world_size + rank] for a in range(self.grad_accum)]
-
-
 def _check_positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -109,6 +93,7 @@ class PlanCursor:
         self.carried: np.ndarray = np.empty(0, dtype=np.int64)  # positions carried into the current window
         self.budget = self.next_budget = plan.budget
         self._current: WindowPlan | None = None
+        self._form = FixedBatchForm(plan) if plan.bucketing is None else None  # fixed batches: no window planned
 
     def epoch_delivered(self, epoch: int) -> bool:
         """True once every micro-batch of ``epoch`` has been dealt."""
@@ -117,10 +102,28 @@ class PlanCursor:
     def next_step(self, stop: Callable[[], bool] | None = None) -> Step:
         """Deal the next step at the current topology and advance past it.
 
-        ``stop`` is asked before each micro-batch is dealt (a step of a large world deals many):
-        when it returns True, dealing is abandoned with `DealingStopped` and the cursor is left
-        where it was before the step.
+        The step computes a micro-batch when it is asked for one (`Step.for_rank`): with fixed-size
+        batches dealing costs nothing more, with a cost budget it plans the windows the step spans.
+        ``stop`` is asked before each window is planned: when it returns True, dealing is abandoned
+        with `DealingStopped` and the cursor is left where it was before the step.
         """
+        if stop is not None and stop():
+            raise DealingStopped(f"dealing step {self.step} was stopped")
+        size = self.world_size * self.grad_accum
+        micro_batch_at = self._deal_fixed(size) if self._form is not None else self._deal_windows(size, stop)
+        step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, micro_batch_at)
+        self.step += 1
+        return step
+
+    def _deal_fixed(self, size: int) -> FixedStep:
+        form = self._form
+        assert form is not None
+        epoch, first = (self.epoch, self.micro_batch) if self.micro_batch < form.per_epoch else (self.epoch + 1, 0)
+        last_epoch, last = form.advance(epoch, first, size - 1)
+        self.epoch, self.window, self.window_start, self.offset, self.micro_batch = form.place(last_epoch, last + 1)
+        return FixedStep(form, epoch, first)
+
+    def _deal_windows(self, size: int, stop: Callable[[], bool] | None) -> WindowSpans:
         saved = (
             self.epoch,
             self.window,
@@ -132,9 +135,9 @@ class PlanCursor:
             self._current,
             self.carried,
         )
-        dealt: list[MicroBatch] = []
-        for _ in range(self.world_size * self.grad_accum):
-            if stop is not None and stop():
+        spans, left = WindowSpans(), size
+        while left:
+            if self._current is None and stop is not None and stop():
                 (
                     self.epoch,
                     self.window,
@@ -147,10 +150,16 @@ class PlanCursor:
                     self.carried,
                 ) = saved
                 raise DealingStopped(f"dealing step {self.step} was stopped")
-            dealt.append(self._next_micro_batch())
-        step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, tuple(dealt))
-        self.step += 1
-        return step
+            current = self._window_plan()
+            take = min(left, len(current.micro_batches) - self.offset)
+            if take > 0:  # a window left empty by its predecessor's borrowing deals nothing
+                spans.add(current, self.offset, take)
+                self.offset += take
+                self.micro_batch += take
+                left -= take
+            if self.offset >= len(current.micro_batches):
+                self._advance(current)
+        return spans
 
     def _window_plan(self) -> WindowPlan:
         if self._current is None:
@@ -163,18 +172,6 @@ class PlanCursor:
                 carried=self.carried,
             )
         return self._current
-
-    def _next_micro_batch(self) -> MicroBatch:
-        current = self._window_plan()
-        while self.offset >= len(current.micro_batches):  # a window left empty by its predecessor's borrowing
-            self._advance(current)
-            current = self._window_plan()
-        micro_batch = current.micro_batches[self.offset]
-        self.offset += 1
-        self.micro_batch += 1
-        if self.offset == len(current.micro_batches):
-            self._advance(current)
-        return micro_batch
 
     def _advance(self, current: WindowPlan) -> None:
         if current.last:

@@ -24,7 +24,7 @@ cut into as many cells as that window's micro-batches of the mix bear.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,7 +43,7 @@ from omnifeed.bucketing import (
 )
 
 from .._errors import OmnifeedError
-from ..index import MixtureIndex
+from ..index import MixtureIndex, even_positions
 from ._bucket_plan import BucketPlan, bucket_plan
 from ._config import PlanConfig
 from ._micro_batch import _NOTHING, LengthSource, MicroBatch, WindowPlan
@@ -73,6 +73,7 @@ class Plan:
         lengths: LengthSource | None = None,
         describe: Callable[[int], str] | None = None,
         mixture: MixtureStream | None = None,
+        even_lengths: Callable[[int], Mapping[str, np.ndarray]] | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError("the plan needs at least one sample; the index is empty")
@@ -106,6 +107,7 @@ class Plan:
         )
         self._shard_sizes, self._by_shard = shard_sizes, by_shard  # kept for with_config
         self._lengths = lengths
+        self._even_lengths = even_lengths  # the index's stored even sample of lengths (`SampleIndex.even_lengths`)
         self._describe = describe or (lambda position: f"position {position}")
         self._equal_windows = bool(
             self.bucketing and self.bucketing.mode == "budget" and config.shuffle != "shard_block"
@@ -138,6 +140,7 @@ class Plan:
             by_shard=index.by_shard,
             lengths=index.length_columns,
             describe=lambda position: f"{index.keys([position])[0]!r} (position {position})",
+            even_lengths=index.even_lengths,
         )
 
     @classmethod
@@ -173,6 +176,7 @@ class Plan:
             lengths=self._lengths,
             describe=self._describe,
             mixture=mixture,
+            even_lengths=self._even_lengths,
         )
 
     @property
@@ -202,9 +206,10 @@ class Plan:
         """Stream lengths of an even sample of ``size`` positions of the index (what buckets are estimated from)."""
         # a mixture's probe is of its sources' samples, not of its weights: a weight change keeps the buckets, so the
         # window in progress forms the same micro-batches after it (`change_mixture`)
+        if self.mixture is None and self._even_lengths is not None:
+            return stream_lengths(self._even_lengths(size), self.bucketing.cost if self.bucketing else CostModel())
         total = self.mixture.total_samples if self.mixture is not None else self.num_samples
-        probe = np.unique(np.linspace(0, total - 1, min(total, size)).astype(np.int64))
-        return self.stream_lengths(probe)
+        return self.stream_lengths(even_positions(total, size))
 
     @property
     def layout(self) -> MixLayout | None:
@@ -375,3 +380,9 @@ class Plan:
     def stream(self, epoch: int, start: int, stop: int) -> np.ndarray:
         """Positions ``[start, stop)`` of ``epoch``'s shuffled sample stream."""
         return self._stream.slice(epoch, start, stop)
+
+    def streams(self, epoch: int, runs: list[tuple[int, int]]) -> list[np.ndarray]:
+        """`stream` of each ``(start, stop)`` of ``runs``, computed together where the stream allows."""
+        if isinstance(self._stream, SampleStream):
+            return self._stream.slices(epoch, runs)
+        return [self._stream.slice(epoch, start, stop) for start, stop in runs]

@@ -18,9 +18,9 @@ import numpy as np
 
 from omnifeed.bucketing import CostModel, balance, padded_cost
 
-from ._cursor import Step
 from ._limits import BALANCE_LIMIT, PADDING_LIMIT, balance_limits, padding_limits
 from ._plan import MicroBatch, Plan
+from ._step import Step
 
 _DEFAULT_COST = CostModel()
 

@@ -72,6 +72,21 @@ class SampleStream:
             return result
         return self._shard_block_slice(epoch, start, stop)
 
+    def slices(self, epoch: int, runs: list[tuple[int, int]]) -> list[np.ndarray]:
+        """`slice` of each ``(start, stop)`` in ``runs``; a permutation's in one evaluation of the network (a call
+        costs ~0.15 ms whatever its size: a rank's micro-batches of a step are evaluated together)."""
+        if self.shuffle != "permutation" or len(runs) < 2:
+            return [self.slice(epoch, start, stop) for start, stop in runs]
+        offsets = np.concatenate([np.arange(start, stop, dtype=np.int64) for start, stop in runs])
+        if offsets.size and (offsets.min() < 0 or offsets.max() >= self.num_samples):
+            raise IndexError(f"stream slices {runs} outside [0, {self.num_samples})")
+        permutation = self._epoch_state(epoch)
+        assert isinstance(permutation, KeyedPermutation)
+        before = permutation.evaluations
+        mapped = permutation(offsets)
+        self.work += permutation.evaluations - before
+        return np.split(mapped, np.cumsum([stop - start for start, stop in runs])[:-1])
+
     def shard_window_starts(self, epoch: int) -> np.ndarray:
         """``shard_block``: the stream offset where each shard window of ``epoch`` starts, and the end."""
         state = self._epoch_state(epoch)

@@ -152,6 +152,21 @@ def test_missing_arrow_copies_are_rebuilt_from_parquet(tar_index: SampleIndex, t
     assert reopened.keys(np.arange(reopened.num_samples)) == tar_index.keys(np.arange(tar_index.num_samples))
 
 
+def test_arrow_copies_without_batch_counts_from_an_older_omnifeed_open_and_read_the_same(
+    tar_index: SampleIndex, tmp_path: Path
+) -> None:
+    copy = tmp_path / "index"
+    shutil.copytree(tar_index.path, copy)
+    for path in copy.glob("part-*.arrow"):  # as omnifeed wrote them before batch counts were recorded
+        table = pa.ipc.open_file(pa.BufferReader(path.read_bytes())).read_all()
+        assert b"omnifeed.batch_rows" in table.schema.metadata  # what a build writes now: opening reads no batch
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema.remove_metadata()) as writer:
+            writer.write_table(table.replace_schema_metadata(None), max_chunksize=7)
+    reopened, positions = SampleIndex(copy), np.arange(tar_index.num_samples)
+    assert reopened.keys(positions) == tar_index.keys(positions)
+    assert reopened.samples(positions) == tar_index.samples(positions)
+
+
 def test_a_directory_that_is_not_an_index_says_so(tmp_path: Path) -> None:
     with pytest.raises(IndexFormatError, match="omnifeed index"):
         SampleIndex(tmp_path)

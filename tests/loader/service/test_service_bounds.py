@@ -13,11 +13,14 @@ import time
 from pathlib import Path
 
 import msgpack
+import numpy as np
 import psutil
 import pytest
 from feed_service import ServiceProcess, short_socket_dir, write_config
 
+from omnifeed.bucketing import BucketingConfig
 from omnifeed.loader import Feed, FeedConfig, PlanConfig
+from omnifeed.loader.index._sample_index import LENGTH_COLUMNS
 from omnifeed.loader.plan._cursor import DealingStopped, PlanCursor
 from omnifeed.loader.plan._plan import Plan
 from omnifeed.loader.service._config import ServiceConfig
@@ -168,18 +171,23 @@ def test_a_step_over_what_all_streams_may_deal_together_is_refused_as_a_topology
 
 # -- planners stop when their stream closes; SIGTERM ends the process ------------------------------------------
 def test_dealing_a_step_stops_when_told_and_leaves_the_cursor_where_it_was(index_dir: Path) -> None:
-    plan = Plan(10_000, PLAN, index_fingerprint="f" * 32)
+    huge = PlanCursor(Plan(10_000, PLAN, index_fingerprint="f" * 32), world_size=1 << 20, grad_accum=4096)
+    assert len(huge.next_step().for_rank(5)) == 4096  # fixed-size batches: a step of 2**32 costs what a rank asks
+    lengths = {name: np.zeros(10_000, dtype=np.int32) for name in LENGTH_COLUMNS}
+    lengths["text_tokens"] = (np.arange(10_000, dtype=np.int32) * 7919) % 500 + 1
+    budget = PlanConfig(seed=3, window_size=1000, bucketing=BucketingConfig(budget=2000, overlong="alone"))
+    plan = Plan(10_000, budget, index_fingerprint="f" * 32, lengths=lambda p: {n: v[p] for n, v in lengths.items()})
     cursor = PlanCursor(plan, world_size=1 << 20, grad_accum=4096)
     before = cursor.state_dict()
     asked = []
 
     def stop() -> bool:
         asked.append(1)
-        return len(asked) > 100
+        return len(asked) > 3
 
     with pytest.raises(DealingStopped):
-        cursor.next_step(stop)
-    assert len(asked) == 101 and cursor.state_dict() == before
+        cursor.next_step(stop)  # a budget's step plans its windows, asking before each
+    assert len(asked) == 4 and cursor.state_dict() == before
     small, fresh = PlanCursor(plan, world_size=3, grad_accum=2), PlanCursor(plan, world_size=3, grad_accum=2)
     with pytest.raises(DealingStopped):
         small.next_step(lambda: True)
