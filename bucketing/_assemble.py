@@ -33,7 +33,7 @@ import numpy as np
 from ._bridge import bridge_gaps
 from ._cost import CostModel, sample_costs
 from ._layout import mix_masks
-from ._leftovers import _absorb_light, _even_light, _padded, _Weights, light_to_carry
+from ._leftovers import _absorb_light, _even_light, _prefix_padded, _Weights, light_to_carry
 
 
 class OverBudgetError(ValueError):
@@ -122,16 +122,17 @@ class _Filler:
     def offer_run(self, order: list[int], table: np.ndarray) -> None:
         """`offer` each of ``order`` in turn, into an empty open micro-batch, whole micro-batches at a time.
 
-        The same micro-batches and costs, bit for bit, as offering one by one (`_padded` sums in the
+        The same micro-batches and costs, bit for bit, as offering one by one (`_prefix_padded` sums in the
         scalar cost's order): the running maxima of a stretch of rows give every prefix's cost at once.
         """
         rows, n, a, guess = table[order], len(order), 0, 16
+        counts = np.arange(1, n + 1, dtype=np.float64)  # a micro-batch's size after each of its samples
         while a < n:
             span = n - a if self.max_size is None else min(n - a, self.max_size)
             while True:  # a stretch long enough to hold the first sample over the budget, or the whole span
                 stretch = min(span, guess)
                 longest = np.maximum.accumulate(rows[a : a + stretch], axis=0)
-                over = np.flatnonzero(_padded(np.arange(1, stretch + 1), longest, self.weights) > self.budget)
+                over = np.flatnonzero(_prefix_padded(counts[:stretch], longest, self.weights) > self.budget)
                 if over.size or stretch == span:
                     break
                 guess *= 2
@@ -157,16 +158,16 @@ class _Filler:
         return batch.cost(self.weights)
 
 
-def _rows(lengths: Mapping[str, np.ndarray], streams: list[str]) -> list[list[float]]:
-    return np.stack([lengths[s].astype(np.float64) for s in streams], axis=1).tolist() if streams else []
+def _table(lengths: Mapping[str, np.ndarray], streams: list[str]) -> np.ndarray:
+    """Per sample (row), its length in each of ``streams`` (column), float64; no rows without streams."""
+    return np.stack([lengths[s].astype(np.float64) for s in streams], axis=1) if streams else np.zeros((0, 0))
 
 
 def _fill_buckets(
-    filler: _Filler, rows: list[list[float]], buckets: np.ndarray, costs: np.ndarray, streams: int
+    filler: _Filler, table: np.ndarray, buckets: np.ndarray, costs: np.ndarray, streams: int
 ) -> tuple[_Filler, list[int]]:
     """Fill each bucket shortest first; each bucket's partly filled last micro-batch becomes leftovers."""
     leftovers: list[int] = []
-    table = np.asarray(rows, dtype=np.float64).reshape(len(rows), streams)
     order = np.argsort(buckets, kind="stable")
     sorted_buckets = buckets[order]
     starts = np.flatnonzero(np.r_[True, sorted_buckets[1:] != sorted_buckets[:-1]]) if order.size else order
@@ -201,11 +202,11 @@ def assemble_budget(
     """
     streams = [s for s in lengths if model.weight(s) > 0]
     weights = _Weights([model.weight(s) for s in streams], model.quadratic)
-    rows = _rows(lengths, streams)
+    table = _table(lengths, streams)  # the per-sample steps take a row as a list (`table[k].tolist()`)
     filler = _Filler(budget, max_batch_size, weights, len(streams), overlong)
     costs = sample_costs({s: lengths[s] for s in streams}, model)
     try:
-        filler, leftovers = _fill_buckets(filler, rows, buckets, costs, len(streams))
+        filler, leftovers = _fill_buckets(filler, table, buckets, costs, len(streams))
     except OverBudgetError as exc:  # name the sample by its position, not its place in the window
         raise OverBudgetError(int(positions[exc.position]), exc.cost, exc.budget) from None
     # leftovers meet by modality mix (no rows of pure padding), a mix at a time, then by cost
@@ -214,23 +215,26 @@ def assemble_budget(
     for k in by_cost.tolist():
         if filler.open.members and present[filler.open.members[0]] != present[leftovers[k]]:
             filler.close()
-        filler.offer(leftovers[k], rows[leftovers[k]])
+        filler.offer(leftovers[k], table[leftovers[k]].tolist())
     consumed = 0
     cells = np.asarray(buckets, dtype=np.int64)
     if lookahead_positions is not None and lookahead_lengths is not None and filler.open.members:
-        extra = _rows(lookahead_lengths, streams)
+        extra_table = _table(lookahead_lengths, streams)
         extra_mix = mix_masks(lookahead_lengths, tuple(streams))
         mix = present[filler.open.members[0]]
-        while consumed < len(extra) and extra_mix[consumed] == mix and filler.fits(extra[consumed]):
-            filler.open.add(len(rows) + consumed, extra[consumed])
+        while consumed < len(extra_table) and extra_mix[consumed] == mix:
+            row = extra_table[consumed].tolist()
+            if not filler.fits(row):
+                break
+            filler.open.add(len(table) + consumed, row)
             consumed += 1
-        rows = rows + extra[:consumed]
+        table = np.concatenate([table, extra_table[:consumed]]) if streams else table
         present = np.concatenate([present, extra_mix[:consumed]])
         cells = np.concatenate(
             [cells, np.full(consumed, cells[filler.open.members[0]], dtype=np.int64)]
         )  # borrowed: its bucket
     filler.close()
-    filler.done = _absorb_light(filler.done, rows, present, weights, budget, max_batch_size, cells)
+    filler.done = _absorb_light(filler.done, table, present, weights, budget, max_batch_size, cells)
     pool = np.concatenate([positions, lookahead_positions[:consumed]]) if lookahead_positions is not None else positions
     carried = np.empty(0, dtype=np.int64)
     if carry and not (
@@ -240,8 +244,8 @@ def assemble_budget(
         if moved:
             carried = pool[np.asarray([i for k in moved for i in filler.done[k][0]], dtype=np.int64)]
             filler.done = [batch for k, batch in enumerate(filler.done) if k not in set(moved)]
-    filler.done = _even_light(filler.done, rows, present, weights, budget, max_batch_size, cells)
-    filler.done = bridge_gaps(filler.done, rows, cells, weights, budget, max_batch_size, present)
+    filler.done = _even_light(filler.done, table, present, weights, budget, max_batch_size, cells)
+    filler.done = bridge_gaps(filler.done, table, cells, weights, budget, max_batch_size, present)
     return Assembled(
         batches=[pool[np.asarray(members, dtype=np.int64)] for members, _ in filler.done],
         costs=[cost for _, cost in filler.done],

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._leftovers import _LIGHT, _even_cut, _padded, _Weights
+from ._leftovers import _LIGHT, _even_cut, _padded, _segments, _uniform, _Weights
 
 _RATIO = 1.025  # bridged costs step by at most this ratio: W consecutive within ~10 % for W up to 8
 _FLUID = 8  # a micro-batch of at least this many samples can be cut into pieces
@@ -29,6 +29,15 @@ _GRAIN = 0.05  # a bucket bridges a target only if its short samples cost under 
 _SHARE = 0.1  # bridges add at most this share to the window's micro-batches (per pass) ...
 _FEW = 32  # ... or this many, in a small window
 _PASSES = 4
+_MIXED = np.iinfo(np.int64).min  # a micro-batch of more than one cell (or mix)
+
+
+def _scalar_padded(size: int, longest: list[float], weights: _Weights) -> float:
+    """`_padded` of one micro-batch, in Python floats: the same operations in the same order, so the same bits."""
+    total, n = 0.0, float(size)
+    for w, m in zip(weights.weights, longest):
+        total = total + (w * n) * (m + weights.quadratic * m * m)
+    return total
 
 
 def _jumps(costs: np.ndarray, budget: float) -> list[list[float]]:
@@ -45,7 +54,7 @@ def _jumps(costs: np.ndarray, budget: float) -> list[list[float]]:
 
 def bridge_gaps(
     done: list[tuple[list[int], float]],
-    rows: list[list[float]],
+    rows: np.ndarray | list[list[float]],
     cells: np.ndarray,
     weights: _Weights,
     budget: float,
@@ -69,7 +78,7 @@ def bridge_gaps(
 
 def _bridge(
     done: list[tuple[list[int], float]],
-    rows: list[list[float]],
+    rows: np.ndarray | list[list[float]],
     cells: np.ndarray,
     weights: _Weights,
     budget: float,
@@ -77,31 +86,36 @@ def _bridge(
     mixes: np.ndarray,
 ) -> list[tuple[list[int], float]]:
     """One pass of `bridge_gaps`."""
-    if len(done) < 2 or not rows:
+    if len(done) < 2 or not len(rows):
         return done
     costs = np.array([cost for _, cost in done])
     jumps = _jumps(costs, budget)
     if not jumps:
         return done
-    table = np.asarray(rows, dtype=np.float64)
+    table = np.asarray(rows, dtype=np.float64)  # no copy: the window's table
     own = _padded(np.ones(len(rows)), table, weights)
-    pure = [bool(np.all(cells[m] == cells[m[0]])) for m, _ in done]
+    flat, starts = _segments([m for m, _ in done])
+    pure = _uniform(np.asarray(cells, dtype=np.int64)[flat], starts, _MIXED) != _MIXED  # one cell per micro-batch
+    one_mix = _uniform(np.asarray(mixes, dtype=np.int64)[flat], starts, _MIXED) != _MIXED
     fluid = [i for i, (m, c) in enumerate(done) if len(m) >= _FLUID and c >= _FULL * budget and pure[i]]
     groups: dict[tuple[int, int], list[int]] = {}  # (0, bucket) or, spanning a mix's cells, (1, mix)
     for i in fluid:
         groups.setdefault((0, int(cells[done[i][0][0]])), []).append(i)
-        if np.all(mixes[done[i][0]] == mixes[done[i][0][0]]):
+        if one_mix[i]:
             groups.setdefault((1, int(mixes[done[i][0][0]])), []).append(i)
     if not groups:
         return done
     most = max(_FEW, int(_SHARE * len(done)))
+    grains: dict[tuple[int, ...], float] = {}
 
     def afforded(group: list[int]) -> list[float]:
         """Targets, widest jumps first, that ``group``'s micro-batches can pay for (at most `most`) and cut finely
         enough (its short samples, the tenth percentile, cost under `_GRAIN` of a target); of a jump it cannot pay
         for whole, the upper part (a later pass bridges the rest with another group)."""
         room, out = sum(done[i][1] for i in group) - _SPARE * budget, list[float]()
-        grain = float(np.quantile(own[[s for i in group for s in done[i][0]]], 0.1))
+        grain = grains.get(tuple(group))
+        if grain is None:
+            grain = grains[tuple(group)] = float(np.quantile(own[np.concatenate([done[i][0] for i in group])], 0.1))
         # jumps it can close whole first: bridging only the top of one leaves a jump below all the same
         for targets in sorted(jumps, key=lambda targets: min(targets) * _GRAIN < grain):
             for target in sorted(targets, reverse=True):
@@ -131,7 +145,7 @@ def _bridge(
         cost = 0.0
         while at < len(samples):
             top = np.maximum(longest, table[samples[at]])
-            with_it = float(_padded(np.array([len(members) + 1]), top[None, :], weights)[0])
+            with_it = _scalar_padded(len(members) + 1, top.tolist(), weights)
             if members and (with_it > target or (max_size is not None and len(members) >= max_size)):
                 break
             members.append(samples[at])

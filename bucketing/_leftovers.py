@@ -48,6 +48,17 @@ def _padded(sizes: np.ndarray, longest: np.ndarray, weights: _Weights) -> np.nda
     return total
 
 
+def _prefix_padded(sizes: np.ndarray, longest: np.ndarray, weights: _Weights) -> np.ndarray:
+    """`_padded` of float64 ``sizes`` against a 2-D ``longest`` of as many rows, without its broadcasting: the same
+    sums in the same order (the first stream's term is what adding it to zeros gives), for the filler's hot loop."""
+    total = None
+    for s, w in enumerate(weights.weights):
+        m = longest[:, s]
+        term = (w * sizes) * (m + weights.quadratic * m * m)
+        total = term if total is None else total + term
+    return total if total is not None else np.zeros(len(sizes))
+
+
 def _segments(batches: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """The members of non-empty ``batches`` end to end, and where each batch starts."""
     sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
@@ -72,7 +83,7 @@ def _medians(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
 
 def _absorb_light(
     done: list[tuple[list[int], float]],
-    rows: list[list[float]],
+    rows: np.ndarray | list[list[float]],
     present: np.ndarray,
     weights: _Weights,
     budget: float,
@@ -86,9 +97,9 @@ def _absorb_light(
     its own), the fullest such micro-batch on a tie; a light micro-batch is dissolved only when
     all its samples find room (otherwise it stays whole).
     """
-    if len(done) < 2 or not rows:
+    if len(done) < 2 or not len(rows):
         return done
-    table = np.asarray(rows, dtype=np.float64)
+    table = np.asarray(rows, dtype=np.float64)  # no copy: the window's table
     members = [list(batch) for batch, _ in done]
     flat, starts = _segments(members)
     sizes = np.diff(np.r_[starts, flat.size]).astype(np.float64)
@@ -137,7 +148,7 @@ def _absorb_light(
 
 def _even_light(
     done: list[tuple[list[int], float]],
-    rows: list[list[float]],
+    rows: np.ndarray | list[list[float]],
     present: np.ndarray,
     weights: _Weights,
     budget: float,
@@ -152,9 +163,9 @@ def _even_light(
     into ``m`` micro-batches of about equal cost (`_even_cut`). Kept only when every new
     micro-batch is within the budget and the lightest is heavier than the light one was.
     """
-    if len(done) < 2 or not rows:
+    if len(done) < 2 or not len(rows):
         return done
-    table = np.asarray(rows, dtype=np.float64)
+    table = np.asarray(rows, dtype=np.float64)  # no copy: the window's table
     own = _padded(np.ones(len(rows)), table, weights)  # each sample's cost alone
     batches = [list(members) for members, _ in done]
     costs = [cost for _, cost in done]

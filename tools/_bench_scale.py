@@ -18,17 +18,15 @@ plans every window the step spans, so its cost follows the world's micro-batches
 Each measurement is bounded: a step still dealing after ``cell_seconds`` of CPU is stopped
 (`DealingStopped`) and the figure recorded as cut (a lower bound).
 
-The index side: a synthetic index of ``index_rows`` rows (`_synthetic_index.make_index`, cached
-under the work folder) opened by `SampleIndex` in a fresh interpreter: open time, one position's
-lookup, resident memory added (after a tiny index was opened first, so that the first
-open's imports are not counted); with a linear projection to 10⁹ rows, stated as one.
+The index side (`_bench_scale_index`): a synthetic index of each of ``index_rows`` sizes opened by
+`SampleIndex` in a fresh interpreter: open time, one position's lookup, resident memory added, a plan
+built from it and resumed (fixed batches and a budget); with a projection to 10⁹ rows, stated as one.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,7 +40,6 @@ from omnifeed.bucketing import BucketingConfig
 from omnifeed.loader.plan import DealingStopped, Plan, PlanConfig, PlanCursor
 
 BATCHINGS = ("fixed", "budget")
-PROJECTED_ROWS = 1_000_000_000
 MAX_STEPS = 100_000  # a cell never deals more steps than this while waiting for a window boundary
 
 
@@ -59,7 +56,8 @@ class ScaleConfig:
     local_ranks: int = 8  # streams of a node (the assumption behind per-node figures)
     batch_size: int = 8
     budget: float = 16384.0
-    index_rows: int = 1_000_000  # 0: no index measured
+    index_rows: tuple[int, ...] = (1_000_000,)  # sizes of the index measured; (): none
+    index_cache: Path | None = None  # where the synthetic indexes are kept across runs (None: under work, each run)
     python: str = sys.executable
 
 
@@ -192,53 +190,14 @@ def _resize(make: Callable[[], Plan], state: str, dp: int, accum: int, limit: fl
     return {"resize_to_dp": dp, "resize_s": round(time.process_time() - cpu, 4)}
 
 
-_OPEN_CODE = """
-import json, os, sys, time
-def rss():
-    with open('/proc/self/statm') as f:
-        return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
-from omnifeed.loader import SampleIndex
-SampleIndex(sys.argv[2]).sample(0)  # a tiny index first: the first open's imports are not the index's cost
-before = rss()
-start = time.perf_counter()
-index = SampleIndex(sys.argv[1])
-opened = time.perf_counter() - start
-after_open = rss()
-start = time.perf_counter()
-index.sample(len(index) // 2)
-lookup = time.perf_counter() - start
-print(json.dumps({"rows": len(index), "open_s": opened, "rss_open_mb": (after_open - before) / 2**20,
-                  "lookup_s": lookup, "rss_lookup_mb": (rss() - before) / 2**20}))
-"""
-
-
 def measure_index(config: ScaleConfig) -> dict[str, Any]:
-    """Open time, one lookup and resident memory of a ``index_rows``-row index, in a fresh interpreter."""
-    from ._synthetic_index import make_index
+    """The index at each of ``index_rows`` (`_bench_scale_index`): the largest's figures, every size's, and the
+    projection to 10⁹ rows."""
+    from ._bench_scale_index import measure_index_size, projection
 
-    (config.work / "index").mkdir(parents=True, exist_ok=True)
-    path, how = make_index(config.work / "index", config.index_rows)
-    done = subprocess.run(
-        [config.python, "-c", _OPEN_CODE, str(path), str(config.work / "index" / "template-index")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    if done.returncode != 0:
-        return {"rows": config.index_rows, "error": done.stderr[-500:], **how}
-    got = json.loads(done.stdout.splitlines()[-1])
-    scale = PROJECTED_ROWS / got["rows"]
-    return {
-        **{k: round(v, 4) if isinstance(v, float) else v for k, v in got.items()},
-        **how,
-        "projection": {
-            "rows": PROJECTED_ROWS,
-            "how": "linear in rows from this measurement, not measured",
-            "open_s": round(got["open_s"] * scale, 2),
-            "rss_open_mb": round(got["rss_open_mb"] * scale, 1),
-        },
-    }
+    where = config.index_cache or config.work / "index"
+    sizes = [measure_index_size(where, rows, config.python) for rows in sorted(config.index_rows)]
+    return {**sizes[-1], "sizes": sizes, "projection": projection(sizes)}
 
 
 def run_scale(config: ScaleConfig, log: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -260,7 +219,7 @@ def run_scale(config: ScaleConfig, log: Callable[[str], None] | None = None) -> 
                             f"resize {cell['resize_s'] or float('nan'):.3f} s"
                             + (f" (cut: {', '.join(cell['cut'])})" if cell["cut"] else "")
                         )
-    index = measure_index(config) if config.index_rows > 0 else None
+    index = measure_index(config) if config.index_rows else None
     if log is not None and index is not None:
         log(f"index of {index['rows']:,} rows: {json.dumps(index)}")
     try:
@@ -271,7 +230,7 @@ def run_scale(config: ScaleConfig, log: Callable[[str], None] | None = None) -> 
         "machine": {"cpus": os.cpu_count(), "load_average": [round(x, 2) for x in load]},
         "settings": {
             **{
-                k: list(v) if isinstance(v, tuple) else v
+                k: list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v
                 for k, v in asdict(config).items()
                 if k not in ("work", "python")
             },

@@ -35,15 +35,23 @@ def render_scale(report: dict[str, Any]) -> str:
             f"| {_cell(c.get('resize_s'), cut='resize' in cut)} ({c.get('resize_to_dp', '—')}) | {c['rss_mb']:.0f} |"
         )
     index = report.get("index")
-    if index and "error" not in index:
-        p = index["projection"]
-        lines.append(
-            f"\nindex of {index['rows']:,} rows: opened in {index['open_s']:.3f} s, +{index['rss_open_mb']:.1f} MB "
-            f"resident; one lookup {index['lookup_s'] * 1e3:.1f} ms, +{index['rss_lookup_mb']:.1f} MB after it. "
-            f"Projection to {p['rows']:,} rows ({p['how']}): {p['open_s']} s, {p['rss_open_mb']} MB"
+    for size in (index or {}).get("sizes", [index] if index else []):
+        if "error" in size:
+            lines.append(f"\nindex of {size['rows']:,} rows: {size['error']}")
+            continue
+        plans = "; ".join(
+            f"{name}: plan {size[name]['plan_s']:.3f} s, first step {size[name]['first_step_s']:.3f} s, "
+            f"resume {size[name]['resume_s']:.3f} s"
+            for name in ("fixed", "budget")
+            if name in size
         )
-    elif index:
-        lines.append(f"\nindex of {index['rows']:,} rows: {index['error']}")
+        lines.append(
+            f"\nindex of {size['rows']:,} rows: opened in {size['open_s']:.3f} s, +{size['rss_open_mb']:.1f} MB "
+            f"resident; one lookup {size['lookup_s'] * 1e3:.1f} ms, +{size['rss_lookup_mb']:.1f} MB after it; {plans}"
+        )
+    if index and index.get("projection"):
+        p = index["projection"]
+        lines.append(f"Projection to {p['rows']:,} rows ({p['how']}): open {p['open_s']} s, {p['rss_open_mb']} MB")
     return "\n".join(lines)
 
 

@@ -27,12 +27,13 @@ from pathlib import Path
 
 from .._errors import OmnifeedError, describe_uid
 from ._damage import DAMAGED_FILE
+from ._length_rows import LENGTH_ROWS
 from ._sample_index import BY_SHARD, EVEN_LENGTHS, INDEX_FORMAT, MANIFEST, SHARDS
 
 log = logging.getLogger(__name__)
 
 _OWN_FILE = re.compile(r"part-\d{5,}\.(parquet|arrow|arrow\.tmp)")  # partitions, and an Arrow copy being re-made
-_OWN_NAMES = {MANIFEST, SHARDS, BY_SHARD, EVEN_LENGTHS, DAMAGED_FILE}
+_OWN_NAMES = {MANIFEST, SHARDS, BY_SHARD, EVEN_LENGTHS, LENGTH_ROWS, DAMAGED_FILE}
 
 
 def index_files_to_replace(out: Path) -> list[str]:

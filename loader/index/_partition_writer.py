@@ -25,6 +25,7 @@ import xxhash
 from .._errors import SourceError
 from ._config import IndexConfig
 from ._damage import DAMAGED_FILE, damage_summary
+from ._length_rows import LENGTH_ROWS, write_length_rows
 from ._mapped_rows import write_arrow_partition
 from ._records import ShardSpec
 from ._sample_index import (
@@ -177,6 +178,7 @@ def write_index_files(
         "classes": list(classes or []),
     }
     np.savez(out / EVEN_LENGTHS, **even_lengths_table(lengths, num_samples))  # type: ignore[arg-type]
+    write_length_rows(out / LENGTH_ROWS, lengths, LENGTH_COLUMNS)
     if "file" in manifest["damaged"]:
         with open(out / DAMAGED_FILE, "w", encoding="utf-8") as listing:
             listing.writelines(json.dumps(entry) + "\n" for entry in damaged)

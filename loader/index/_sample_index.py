@@ -9,6 +9,7 @@ Layout of an index directory (written by ``build_index``)::
     by_shard.npy           positions ordered by (shard, order within shard)
     even-lengths.npz       the length columns of an even sample of rows (`even_positions`),
                            what a budget plan estimates its buckets from; derived, optional
+    lengths.npy            every row's length columns as one record (`_length_rows`); derived, optional
 
 A sample's *position* is its row number in the concatenation of the partitions
 in order. Opening maps the Arrow files and the ``by_shard`` array and reads their
@@ -32,6 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .._errors import IndexFormatError
+from ._length_rows import LENGTH_ROWS, LengthRows
 from ._mapped_rows import MappedRows
 from ._records import FieldLocation, SampleLengths, ShardSpec, SourceKind
 
@@ -92,7 +94,8 @@ class IndexedSample:
 def even_positions(num_samples: int, size: int) -> np.ndarray:
     """``size`` positions spread evenly over ``num_samples`` rows, first and last included (fewer when the index is
     smaller): the sample a budget plan estimates its buckets from."""
-    return np.unique(np.linspace(0, num_samples - 1, min(num_samples, size)).astype(np.int64))
+    spread = np.linspace(0, num_samples - 1, min(num_samples, size)).astype(np.int64)  # non-decreasing
+    return spread[np.r_[True, spread[1:] != spread[:-1]]] if spread.size else spread  # np.unique, without its sort
 
 
 def even_lengths_table(lengths: pa.Table, num_samples: int) -> dict[str, np.ndarray]:
@@ -130,6 +133,7 @@ class SampleIndex:
         self._sample_batches: dict[int, pa.RecordBatch] = {}  # per chunk: its sample columns, checked
         self.shards, self.shard_sizes = _read_shards(self.path / SHARDS, self.num_samples)
         self.by_shard: np.ndarray = _map_by_shard(self.path / BY_SHARD, self.num_samples)
+        self._length_rows = LengthRows.open(self.path / LENGTH_ROWS, self.num_samples, LENGTH_COLUMNS)
 
     def _chunk(self, name: str, chunk: int) -> pa.Array:
         """One mapped chunk of a column, fully validated the first time (`MappedRows.column_chunk`)."""
@@ -147,7 +151,13 @@ class SampleIndex:
         return self._take("key", positions).to_pylist()
 
     def length_columns(self, positions: np.ndarray | list[int]) -> dict[str, np.ndarray]:
-        """The per-modality length columns at ``positions`` (read from the mapped rows, nothing else)."""
+        """The per-modality length columns at ``positions``: from ``lengths.npy`` (a record per sample), or the
+        mapped rows of an index without it."""
+        if self._length_rows is not None:
+            positions = np.asarray(positions, dtype=np.int64)
+            if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
+                raise IndexError(f"positions outside the index's {self.num_samples} samples")
+            return self._length_rows.columns(positions)
         return {name: self._take(name, positions).to_numpy(zero_copy_only=False) for name in LENGTH_COLUMNS}
 
     def even_lengths(self, size: int) -> dict[str, np.ndarray]:

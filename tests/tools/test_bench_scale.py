@@ -28,7 +28,18 @@ CELL_KEYS = {
 
 def test_scale_scenario_reports_every_cell_and_the_index(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    args = ["--scale-samples", "10000", "--world-sizes", "2,4", "--accums", "1,16", "--index-rows", "64"]
+    args = [
+        "--scale-samples",
+        "10000",
+        "--world-sizes",
+        "2,4",
+        "--accums",
+        "1,16",
+        "--index-rows",
+        "64,256",
+        "--index-cache",
+        str(tmp_path / "indexes"),
+    ]
     run = subprocess.run(
         [sys.executable, "-c", _CLI, "bench", "--scenario", "scale", *args, "--out", str(out)],
         capture_output=True,
@@ -49,10 +60,17 @@ def test_scale_scenario_reports_every_cell_and_the_index(tmp_path: Path) -> None
     assert set(report["targets"]) == {"per_local_rank_ms", "resume_s", "state_bytes", "resize_s"}
     assert report["settings"]["local_ranks"] == 8 and "assumption" in report["settings"]
     index = report["index"]
-    assert index["rows"] == 64 and index["open_s"] >= 0 and "rss_open_mb" in index
-    assert index["projection"]["rows"] == 10**9 and "not measured" in index["projection"]["how"]
-    assert "| budget | 4 × 16 |" in run.stdout and "index of 64 rows" in run.stdout
+    assert index["rows"] == 256 and [size["rows"] for size in index["sizes"]] == [64, 256]
+    for size in index["sizes"]:
+        assert size["open_s"] >= 0 and "rss_open_mb" in size
+        for batching in ("fixed", "budget"):  # a plan built from the index, its first step, and a resume
+            assert {"plan_s", "first_step_s", "resume_s", "state_bytes"} <= set(size[batching])
+    assert index["projection"]["rows"] == 10**9 and "a line through 64 and 256 rows" in index["projection"]["how"]
+    assert "| budget | 4 × 16 |" in run.stdout and "index of 64 rows" in run.stdout and "index of 256" in run.stdout
     assert (out / "scale.png").stat().st_size > 0
+    assert (
+        report["settings"]["index_cache"] == str(tmp_path / "indexes") and (tmp_path / "indexes" / "index-256").is_dir()
+    )
 
 
 def test_a_cell_over_its_time_limit_is_cut_not_waited_for(tmp_path: Path) -> None:

@@ -167,6 +167,32 @@ def test_arrow_copies_without_batch_counts_from_an_older_omnifeed_open_and_read_
     assert reopened.samples(positions) == tar_index.samples(positions)
 
 
+@pytest.mark.parametrize("derived", ["lengths.npy", "even-lengths.npz"])
+@pytest.mark.parametrize("damage", ["missing", "truncated", "another size"])
+def test_the_derived_length_files_give_what_the_rows_give_and_are_not_needed(
+    tar_index: SampleIndex, tmp_path: Path, derived: str, damage: str
+) -> None:
+    positions = np.random.default_rng(0).permutation(tar_index.num_samples)
+    built = (tar_index.length_columns(positions), tar_index.even_lengths(1 << 19))
+    copy = tmp_path / "index"
+    shutil.copytree(tar_index.path, copy)
+    if damage == "missing":
+        (copy / derived).unlink()
+    elif damage == "truncated":
+        (copy / derived).write_bytes((copy / derived).read_bytes()[:200])
+    elif derived == "lengths.npy":
+        np.save(copy / derived, np.zeros(3))
+    else:
+        np.savez(copy / derived, text_tokens=np.zeros(3))
+    reopened = SampleIndex(copy)
+    for got, want in zip((reopened.length_columns(positions), reopened.even_lengths(1 << 19)), built):
+        assert got.keys() == want.keys()
+        for name in want:
+            assert got[name].dtype == want[name].dtype and np.array_equal(got[name], want[name]), name
+    with pytest.raises(IndexError):
+        reopened.length_columns([tar_index.num_samples])
+
+
 def test_a_directory_that_is_not_an_index_says_so(tmp_path: Path) -> None:
     with pytest.raises(IndexFormatError, match="omnifeed index"):
         SampleIndex(tmp_path)
