@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import asdict
+from dataclasses import fields as dataclass_fields
 from multiprocessing import get_context
 from typing import Any
 
@@ -35,7 +36,7 @@ import xxhash
 from .._errors import OmnifeedError
 from ._config import IndexConfig
 from ._damage import ShardDamaged
-from ._records import DamagedSample, ScannedSample, ShardScan, ShardSpec
+from ._records import DamagedSample, FieldLocation, SampleLengths, ScannedSample, ShardScan, ShardSpec
 from ._sample_index import ROW_SCHEMA
 from ._scan import scan_shard
 
@@ -196,12 +197,16 @@ def _scan_with_retries(shard: ShardSpec, config: IndexConfig) -> ShardScan:
     raise AssertionError("unreachable")
 
 
+_LENGTH_NAMES = tuple(f.name for f in dataclass_fields(SampleLengths))
+_FIELD_NAMES = tuple(f.name for f in dataclass_fields(FieldLocation))
+
+
 def _rows_of(shard_id: int, shard: ShardSpec, samples: list[ScannedSample]) -> pa.Table:
     """Arrow rows for one shard's samples, each with a digest of everything the row says."""
     columns: dict[str, list[Any]] = {name: [] for name in ROW_SCHEMA.names}
     for shard_row, sample in enumerate(samples):
-        lengths = asdict(sample.lengths)
-        fields = [asdict(f) for f in sample.fields]
+        lengths = {name: getattr(sample.lengths, name) for name in _LENGTH_NAMES}  # asdict's, without its deepcopy
+        fields = [{name: getattr(f, name) for name in _FIELD_NAMES} for f in sample.fields]
         canonical = json.dumps([sample.key, shard.url, sample.row_group, sample.row, fields, lengths, sample.digest])
         values = {
             "key": sample.key,
