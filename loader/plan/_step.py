@@ -66,12 +66,18 @@ class Step:
             raise ValueError(f"step {self.step} keeps its numbers only, not its micro-batches")
         if not 0 <= i < self.size:
             raise IndexError(f"micro-batch {i} outside step {self.step}'s {self.size}")
-        return self._at(i)
+        dealt = self.__dict__.get("micro_batches")  # computed once already (`micro_batches`)
+        return dealt[i] if dealt is not None else self._at(i)
 
     @cached_property
     def micro_batches(self) -> tuple[MicroBatch, ...]:
         """All ``W × A`` micro-batches, in dealing order (computed once; a rank needs only `for_rank`)."""
-        return tuple(self.micro_batch(i) for i in range(self.size))
+        if self._at is None:
+            raise ValueError(f"step {self.step} keeps its numbers only, not its micro-batches")
+        many = getattr(self._at, "many", None)
+        if many is not None:
+            return tuple(many(list(range(self.size))))
+        return tuple(self._at(i) for i in range(self.size))
 
     def for_rank(self, rank: int) -> list[MicroBatch]:
         """The micro-batches of ``rank``, one per accumulation micro-step, in order."""
