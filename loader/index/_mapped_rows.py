@@ -105,7 +105,9 @@ class MappedRows:
             try:
                 found = self._readers[partition].get_batch(b)
             except (OSError, pa.ArrowException) as exc:
-                raise IndexFormatError(f"{self._paths[partition]}: record batch {b} unreadable ({exc}); {_REBUILD}")
+                raise IndexFormatError(
+                    f"{self._paths[partition]}: record batch {b} unreadable ({exc}); {_REBUILD}"
+                ) from exc
             if found.num_rows != self._rows[chunk]:
                 raise IndexFormatError(
                     f"{self._paths[partition]}: record batch {b} holds {found.num_rows} rows, its footer says "
