@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,3 +116,26 @@ def write_plot(report: dict[str, Any], path: Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def scenario_command(
+    work: Path,
+    run: Callable[[Callable[[str], None]], dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+    plot: Callable[[dict[str, Any], Path], Path | None],
+    plot_name: str,
+) -> int:
+    """A scenario of `omnifeed bench` end to end: ``work`` made the output folder, ``run`` (progress to stderr), its
+    table on stdout, ``report.json`` and the plot ``plot_name`` under ``work``."""
+    from ._output_dir import prepare_output_dir
+
+    prepare_output_dir(work, "bench")
+    report = run(lambda line: print(line, file=sys.stderr, flush=True))
+    print(render(report), flush=True)
+    (work / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
+    drawn = plot(report, work / plot_name)
+    print(
+        f"\nreport: {work / 'report.json'}"
+        + (f"; plot: {drawn}" if drawn else "; no plot (matplotlib is not installed)")
+    )
+    return 0

@@ -246,16 +246,9 @@ def run_scale(config: ScaleConfig, log: Callable[[str], None] | None = None) -> 
 
 def scale_command(config: ScaleConfig) -> int:
     """`omnifeed bench --scenario scale`: the table on stdout, report.json and scale.png under ``config.work``."""
+    from ._bench_report import scenario_command
     from ._bench_scale_report import render_scale, write_scale_plot
-    from ._output_dir import prepare_output_dir
 
-    prepare_output_dir(config.work, "bench")
-    report = run_scale(config, lambda line: print(line, file=sys.stderr, flush=True))
-    print(render_scale(report), flush=True)
-    (config.work / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    plot = write_scale_plot(report, config.work / "scale.png")
-    print(
-        f"\nreport: {config.work / 'report.json'}"
-        + (f"; plot: {plot}" if plot else "; no plot (matplotlib is not installed)")
+    return scenario_command(
+        config.work, lambda log: run_scale(config, log), render_scale, write_scale_plot, "scale.png"
     )
-    return 0

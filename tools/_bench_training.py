@@ -21,7 +21,6 @@ compute) and *compute-heavy* (6 × that ``c``). Rounds alternate the order; medi
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import statistics
 import subprocess
@@ -248,16 +247,9 @@ def run_training(config: TrainingConfig, log: Any = None) -> dict[str, Any]:
 
 def training_command(config: TrainingConfig) -> int:
     """`omnifeed bench --scenario training`: the table on stdout, report.json and training.png under ``config.work``."""
+    from ._bench_report import scenario_command
     from ._bench_training_report import render_training, write_training_plot
-    from ._output_dir import prepare_output_dir
 
-    prepare_output_dir(config.work, "bench")
-    report = run_training(config, lambda line: print(line, file=sys.stderr, flush=True))
-    print(render_training(report), flush=True)
-    (config.work / "report.json").write_text(json.dumps(report, indent=1), encoding="utf-8")
-    plot = write_training_plot(report, config.work / "training.png")
-    print(
-        f"\nreport: {config.work / 'report.json'}"
-        + (f"; plot: {plot}" if plot else "; no plot (matplotlib is not installed)")
+    return scenario_command(
+        config.work, lambda log: run_training(config, log), render_training, write_training_plot, "training.png"
     )
-    return 0 if all(r["status"] == "ok" for r in report["rows"] if r["loader"] in TRAINING_LOADERS) else 1

@@ -2,11 +2,12 @@
 
 from ._build import build_index, write_index_from_tables
 from ._config import IndexConfig
+from ._length_rows import even_positions
 from ._mixture_index import MixtureIndex, filter_positions
 from ._partition_writer import IndexReport
 from ._ray_build import build_index_ray, check_reachable, import_ray, ray_session
 from ._records import FieldLocation, SampleLengths, ShardSpec
-from ._sample_index import ROW_SCHEMA, IndexedSample, SampleIndex, even_positions
+from ._sample_index import ROW_SCHEMA, IndexedSample, SampleIndex
 from ._scan_pool import default_workers
 from ._sources import column_kinds, expand_sources, read_field
 

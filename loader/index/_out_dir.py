@@ -27,8 +27,8 @@ from pathlib import Path
 
 from .._errors import OmnifeedError, describe_uid
 from ._damage import DAMAGED_FILE
-from ._length_rows import LENGTH_ROWS
-from ._sample_index import BY_SHARD, EVEN_LENGTHS, INDEX_FORMAT, MANIFEST, SHARDS
+from ._length_rows import EVEN_LENGTHS, LENGTH_ROWS
+from ._sample_index import BY_SHARD, INDEX_FORMAT, MANIFEST, SHARDS
 
 log = logging.getLogger(__name__)
 

@@ -25,18 +25,16 @@ import xxhash
 from .._errors import SourceError
 from ._config import IndexConfig
 from ._damage import DAMAGED_FILE, damage_summary
-from ._length_rows import LENGTH_ROWS, write_length_rows
+from ._length_rows import write_length_files
 from ._mapped_rows import write_arrow_partition
 from ._records import ShardSpec
 from ._sample_index import (
     BY_SHARD,
-    EVEN_LENGTHS,
     INDEX_FORMAT,
     LENGTH_COLUMNS,
     MANIFEST,
     ROW_SCHEMA,
     SHARDS,
-    even_lengths_table,
     partition_file,
 )
 
@@ -177,8 +175,7 @@ def write_index_files(
         "damaged": damage_summary(damaged),
         "classes": list(classes or []),
     }
-    np.savez(out / EVEN_LENGTHS, **even_lengths_table(lengths, num_samples))  # type: ignore[arg-type]
-    write_length_rows(out / LENGTH_ROWS, lengths, LENGTH_COLUMNS)
+    write_length_files(out, lengths, LENGTH_COLUMNS)
     if "file" in manifest["damaged"]:
         with open(out / DAMAGED_FILE, "w", encoding="utf-8") as listing:
             listing.writelines(json.dumps(entry) + "\n" for entry in damaged)

@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from .._errors import IndexFormatError
-from ._length_rows import LENGTH_ROWS, LengthRows
+from ._length_rows import LENGTH_ROWS, LengthRows, even_positions, stored_even_lengths
 from ._mapped_rows import MappedRows
 from ._records import FieldLocation, SampleLengths, ShardSpec, SourceKind
 
@@ -41,8 +41,6 @@ INDEX_FORMAT = "omnifeed.index/1"
 MANIFEST = "manifest.json"
 SHARDS = "shards.parquet"
 BY_SHARD = "by_shard.npy"
-EVEN_LENGTHS = "even-lengths.npz"
-EVEN_SAMPLE = 1 << 19  # rows of the stored even sample: a budget plan's default probe (`even_positions`)
 
 LENGTH_COLUMNS: dict[str, pa.DataType] = {
     "text_tokens": pa.int32(),
@@ -89,20 +87,6 @@ class IndexedSample:
     lengths: SampleLengths
     row_group: int
     row: int
-
-
-def even_positions(num_samples: int, size: int) -> np.ndarray:
-    """``size`` positions spread evenly over ``num_samples`` rows, first and last included (fewer when the index is
-    smaller): the sample a budget plan estimates its buckets from."""
-    spread = np.linspace(0, num_samples - 1, min(num_samples, size)).astype(np.int64)  # non-decreasing
-    return spread[np.r_[True, spread[1:] != spread[:-1]]] if spread.size else spread  # np.unique, without its sort
-
-
-def even_lengths_table(lengths: pa.Table, num_samples: int) -> dict[str, np.ndarray]:
-    """The length columns of ``lengths`` (every row of an index, in position order) at `even_positions` of
-    `EVEN_SAMPLE`: what ``even-lengths.npz`` holds."""
-    rows = pa.array(even_positions(num_samples, EVEN_SAMPLE))
-    return {name: lengths[name].take(rows).to_numpy() for name in LENGTH_COLUMNS}
 
 
 def partition_file(partition: int, suffix: str) -> str:
@@ -164,20 +148,8 @@ class SampleIndex:
         """`length_columns` at `even_positions` of ``size``: read from ``even-lengths.npz`` when the index stores
         that sample (one small file, not a page of every length column of a billion rows), else from the rows."""
         positions = even_positions(self.num_samples, size)
-        stored = self._stored_even_lengths(positions.size) if size == EVEN_SAMPLE else None
+        stored = stored_even_lengths(self.path, size, positions.size, LENGTH_COLUMNS)
         return stored if stored is not None else self.length_columns(positions)
-
-    def _stored_even_lengths(self, rows: int) -> dict[str, np.ndarray] | None:
-        """``even-lengths.npz`` when present and whole (a derived file: anything else falls back to the rows)."""
-        path = self.path / EVEN_LENGTHS
-        if not path.is_file():
-            return None
-        try:
-            with np.load(path, allow_pickle=False) as stored:
-                columns = {name: stored[name] for name in LENGTH_COLUMNS}
-        except Exception:  # noqa: BLE001  any damage: the rows hold the same values
-            return None
-        return columns if all(c.shape == (rows,) for c in columns.values()) else None
 
     def _take(self, name: str, positions: np.ndarray | list[int]) -> pa.Array:
         """One column at ``positions``, chunk by chunk: ``ChunkedArray.take`` would first copy the

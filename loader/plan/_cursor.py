@@ -110,8 +110,8 @@ class PlanCursor:
         if stop is not None and stop():
             raise DealingStopped(f"dealing step {self.step} was stopped")
         size = self.world_size * self.grad_accum
-        micro_batch_at = self._deal_fixed(size) if self._form is not None else self._deal_windows(size, stop)
-        step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, micro_batch_at)
+        source = self._deal_fixed(size) if self._form is not None else self._deal_windows(size, stop)
+        step = Step(self.step, self.world_size, self.grad_accum, self.topology_version, source)
         self.step += 1
         return step
 

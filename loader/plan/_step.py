@@ -10,18 +10,14 @@ audits that look at the whole step).
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
 from functools import cached_property
 from typing import Protocol
 
 from ._micro_batch import MicroBatch, WindowPlan
 
-MicroBatchAt = Callable[[int], MicroBatch]
-"""The step's ``i``-th micro-batch in dealing order, ``0 <= i < W × A``."""
-
 
 class MicroBatchesAt(Protocol):
-    """A step's micro-batches by place in dealing order, one at a time or several computed together."""
+    """A step's micro-batches by place in dealing order (``0 <= i < W × A``), one or several computed together."""
 
     def __call__(self, i: int) -> MicroBatch: ...
 
@@ -37,7 +33,7 @@ class Step:
         world_size: int,
         grad_accum: int,
         topology_version: int,
-        micro_batch_at: MicroBatchAt | MicroBatchesAt | Sequence[MicroBatch] = (),
+        micro_batches_at: MicroBatchesAt | None = None,
     ) -> None:
         self.step, self.world_size, self.grad_accum, self.topology_version = (
             step,
@@ -45,12 +41,7 @@ class Step:
             grad_accum,
             topology_version,
         )
-        if callable(micro_batch_at):
-            self._at: MicroBatchAt | MicroBatchesAt | None = micro_batch_at
-        else:
-            dealt = tuple(micro_batch_at)
-            self.__dict__["micro_batches"] = dealt  # the cached_property's value: given whole
-            self._at = dealt.__getitem__ if dealt else None
+        self._at = micro_batches_at  # None: the step's numbers only
 
     def __repr__(self) -> str:
         return f"Step({self.step}, world_size={self.world_size}, grad_accum={self.grad_accum})"
@@ -60,34 +51,30 @@ class Step:
         """Micro-batches the step deals: world size × accumulation."""
         return self.world_size * self.grad_accum
 
-    def micro_batch(self, i: int) -> MicroBatch:
-        """The step's ``i``-th micro-batch in dealing order (accumulation micro-step ``i // W`` of rank ``i % W``)."""
+    def _source(self) -> MicroBatchesAt:
         if self._at is None:
             raise ValueError(f"step {self.step} keeps its numbers only, not its micro-batches")
+        return self._at
+
+    def micro_batch(self, i: int) -> MicroBatch:
+        """The step's ``i``-th micro-batch in dealing order (accumulation micro-step ``i // W`` of rank ``i % W``)."""
         if not 0 <= i < self.size:
             raise IndexError(f"micro-batch {i} outside step {self.step}'s {self.size}")
         dealt = self.__dict__.get("micro_batches")  # computed once already (`micro_batches`)
-        return dealt[i] if dealt is not None else self._at(i)
+        return dealt[i] if dealt is not None else self._source()(i)
 
     @cached_property
     def micro_batches(self) -> tuple[MicroBatch, ...]:
         """All ``W × A`` micro-batches, in dealing order (computed once; a rank needs only `for_rank`)."""
-        if self._at is None:
-            raise ValueError(f"step {self.step} keeps its numbers only, not its micro-batches")
-        many = getattr(self._at, "many", None)
-        if many is not None:
-            return tuple(many(list(range(self.size))))
-        return tuple(self._at(i) for i in range(self.size))
+        return tuple(self._source().many(list(range(self.size))))
 
     def for_rank(self, rank: int) -> list[MicroBatch]:
         """The micro-batches of ``rank``, one per accumulation micro-step, in order."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
         places = [a * self.world_size + rank for a in range(self.grad_accum)]
-        many = getattr(self._at, "many", None)
-        if many is not None and "micro_batches" not in self.__dict__:
-            return many(places)  # type: ignore[no-any-return]
-        return [self.micro_batch(i) for i in places]
+        dealt = self.__dict__.get("micro_batches")
+        return [dealt[i] for i in places] if dealt is not None else self._source().many(places)
 
     def numbers(self) -> Step:
         """This step without its micro-batches (what a delivered batch keeps of its step)."""
@@ -110,3 +97,7 @@ class WindowSpans:
         span = bisect_right(self._ends, i)
         window, offset, _ = self._spans[span]
         return window.micro_batches[offset + i - (self._ends[span - 1] if span else 0)]
+
+    def many(self, places: list[int]) -> list[MicroBatch]:
+        """The micro-batches at ``places`` (planned already: nothing to compute together)."""
+        return [self(i) for i in places]
