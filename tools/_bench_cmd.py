@@ -110,6 +110,15 @@ def add_bench_commands(sub: Any, command: Callable[..., argparse.ArgumentParser]
         "stopped and recorded as cut (default 40)",
     )
     scale.add_argument(
+        "--written-samples",
+        type=int,
+        default=20_000_000,
+        metavar="N",
+        help="samples of the budget-written cells: one epoch planned and written ahead (`omnifeed plan "
+        "--write-epochs`), then dealt by look-up; a step's cost does not depend on N (0: skip; default 20000000, "
+        "~65 s of CPU to write)",
+    )
+    scale.add_argument(
         "--index-rows",
         type=_count_list,
         default=(1_000_000,),
@@ -204,6 +213,7 @@ def _run_bench_scale(args: argparse.Namespace) -> int:
         world_sizes=args.world_sizes,
         accums=args.accums,
         cell_seconds=args.cell_seconds,
+        written_samples=args.written_samples,
         batch_size=args.batch_size or 8,
         index_rows=args.index_rows,
         index_cache=Path(args.index_cache) if args.index_cache else None,

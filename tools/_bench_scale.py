@@ -12,6 +12,12 @@ with ``time.process_time`` (CPU of this process):
 - the state's size (``json.dumps(cursor.state_dict())``), a resume (a new plan, the state loaded,
   one step) and a resize (the state loaded into a cursor of world size dp/2, one step).
 
+``budget-written`` cells are the budget's with its epoch planned once and written ahead
+(`write_planned_epochs`, what ``omnifeed plan --write-epochs`` does) over ``written_samples`` positions: the
+cursor then deals a step by look-up. Writing the epoch is a job of its own, before training
+(``write_s``, CPU, reported with each such cell); a step's, a resume's and a resize's cost do not depend on the
+epoch's size, so a smaller one than ``samples`` measures the same thing.
+
 The dealing CPU per local rank is the node's CPU for a step over its ``local_ranks`` ranks. Fixed-size batches
 are dealt in closed form (a step computes only the micro-batches the node's ranks take); a cost budget's step
 plans every window the step spans, so its cost follows the world's micro-batches per step.
@@ -37,9 +43,9 @@ from typing import Any
 import numpy as np
 
 from omnifeed.bucketing import BucketingConfig
-from omnifeed.loader.plan import DealingStopped, Plan, PlanConfig, PlanCursor
+from omnifeed.loader.plan import DealingStopped, Plan, PlanConfig, PlanCursor, PlannedEpochs, write_planned_epochs
 
-BATCHINGS = ("fixed", "budget")
+BATCHINGS = ("fixed", "budget", "budget-written")
 MAX_STEPS = 100_000  # a cell never deals more steps than this while waiting for a window boundary
 
 
@@ -56,6 +62,7 @@ class ScaleConfig:
     local_ranks: int = 8  # streams of a node (the assumption behind per-node figures)
     batch_size: int = 8
     budget: float = 16384.0
+    written_samples: int = 20_000_000  # positions of the budget-written cells' epoch (0: no such cells)
     index_rows: tuple[int, ...] = (1_000_000,)  # sizes of the index measured; (): none
     index_cache: Path | None = None  # where the synthetic indexes are kept across runs (None: under work, each run)
     python: str = sys.executable
@@ -103,11 +110,33 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _written(samples: int, config: ScaleConfig) -> tuple[Path, float]:
+    """The folder holding the budget's epoch 0 over ``samples`` written ahead (written now if missing), and the CPU
+    seconds writing it took (0: written by an earlier cell)."""
+    folder = config.work / f"written-{samples}"
+    plan = Plan(
+        samples, plan_config("budget", config), index_fingerprint="scale", lengths=synthetic_lengths, index_path=folder
+    )
+    written = PlannedEpochs.find(folder, plan)
+    if written is not None and written.epoch(0) is not None:
+        return folder, 0.0
+    started = time.process_time()
+    write_planned_epochs(plan, folder, range(1))
+    return folder, time.process_time() - started
+
+
 def measure_cell(samples: int, dp: int, accum: int, batching: str, config: ScaleConfig) -> dict[str, Any]:
     """One cell's figures (seconds are CPU seconds of this process; ``cut`` names the measurements stopped)."""
+    folder, write_s = _written(samples, config) if batching == "budget-written" else (None, 0.0)
 
     def make() -> Plan:
-        return Plan(samples, plan_config(batching, config), index_fingerprint="scale", lengths=synthetic_lengths)
+        return Plan(
+            samples,
+            plan_config(batching, config),
+            index_fingerprint="scale",
+            lengths=synthetic_lengths,
+            index_path=folder,
+        )
 
     limit = config.cell_seconds
     started = time.process_time()
@@ -121,6 +150,7 @@ def measure_cell(samples: int, dp: int, accum: int, batching: str, config: Scale
         "window_samples": plan.window_size,
         "plan_build_s": round(time.process_time() - started, 4),
         "cut": [],
+        **({"write_s": round(write_s, 2)} if batching == "budget-written" else {}),
     }
     cursor = PlanCursor(plan, world_size=dp, grad_accum=accum)
     local = min(config.local_ranks, dp)
@@ -205,20 +235,23 @@ def run_scale(config: ScaleConfig, log: Callable[[str], None] | None = None) -> 
     config.work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     cells = []
-    for samples in config.samples:
-        for batching in BATCHINGS:
-            for accum in config.accums:
-                for dp in config.world_sizes:
-                    cell = measure_cell(samples, dp, accum, batching, config)
-                    cells.append(cell)
-                    if log is not None:
-                        log(
-                            f"{samples:,} samples {batching:6} dp {dp:5} × accum {accum:2}: first step "
-                            f"{cell['first_step_s']:.3f} s, step {cell.get('per_local_rank_ms') or 0:.2f} ms, "
-                            f"resume {cell['resume_s'] or float('nan'):.3f} s, "
-                            f"resize {cell['resize_s'] or float('nan'):.3f} s"
-                            + (f" (cut: {', '.join(cell['cut'])})" if cell["cut"] else "")
-                        )
+    runs = [(samples, batching) for samples in config.samples for batching in ("fixed", "budget")]
+    if config.written_samples:
+        runs.append((config.written_samples, "budget-written"))
+    for samples, batching in runs:
+        for accum in config.accums:
+            for dp in config.world_sizes:
+                cell = measure_cell(samples, dp, accum, batching, config)
+                cells.append(cell)
+                if log is not None:
+                    log(
+                        f"{samples:,} samples {batching:14} dp {dp:5} × accum {accum:2}: first step "
+                        f"{cell['first_step_s']:.3f} s, step {cell.get('per_local_rank_ms') or 0:.2f} ms, "
+                        f"resume {cell['resume_s'] or float('nan'):.3f} s, "
+                        f"resize {cell['resize_s'] or float('nan'):.3f} s"
+                        + (f" (cut: {', '.join(cell['cut'])})" if cell["cut"] else "")
+                        + (f"; epoch written ahead in {cell['write_s']:.1f} s" if cell.get("write_s") else "")
+                    )
     index = measure_index(config) if config.index_rows else None
     if log is not None and index is not None:
         log(f"index of {index['rows']:,} rows: {json.dumps(index)}")

@@ -53,7 +53,8 @@ for name, config in configs.items():
     resumed.load_state_dict(json.loads(state))
     resumed.next_step().for_rank(0)
     out[name] = {"plan_s": built - start, "first_step_s": stepped - built,
-                 "resume_s": time.perf_counter() - stepped, "state_bytes": len(state)}
+                 "resume_s": time.perf_counter() - stepped, "state_bytes": len(state),
+                 "written_ahead": plan.planned is not None and plan.planned.epoch(0) is not None}
 out.update(rss_end_mb=rss() - before, anon_end_mb=anon() - before_anon)
 print(json.dumps(out))
 """

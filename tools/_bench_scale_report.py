@@ -42,6 +42,7 @@ def render_scale(report: dict[str, Any]) -> str:
         plans = "; ".join(
             f"{name}: plan {size[name]['plan_s']:.3f} s, first step {size[name]['first_step_s']:.3f} s, "
             f"resume {size[name]['resume_s']:.3f} s"
+            + (" (epoch 0 written ahead)" if size[name].get("written_ahead") else "")
             for name in ("fixed", "budget")
             if name in size
         )
@@ -56,8 +57,8 @@ def render_scale(report: dict[str, Any]) -> str:
 
 
 def write_scale_plot(report: dict[str, Any], path: Path) -> Path | None:
-    """Per-step dealing CPU per local rank against dp (log-log), fixed vs budget, each accum; None without
-    matplotlib."""
+    """Per-step dealing CPU per local rank against dp (log-log), fixed vs budget (live and written ahead), each
+    accum; None without matplotlib."""
     try:
         import matplotlib
 
@@ -67,7 +68,7 @@ def write_scale_plot(report: dict[str, Any], path: Path) -> Path | None:
         return None
     cells = [c for c in report["cells"] if c.get("per_local_rank_ms") is not None]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), squeeze=False)
-    colors = {"fixed": "tab:gray", "budget": "tab:blue"}
+    colors = {"fixed": "tab:gray", "budget": "tab:blue", "budget-written": "tab:orange"}
     for ax, (key, label, target) in zip(
         axes[0],
         (
@@ -76,7 +77,7 @@ def write_scale_plot(report: dict[str, Any], path: Path) -> Path | None:
         ),
     ):
         for samples in sorted({c["samples"] for c in cells}):
-            for batching in ("fixed", "budget"):
+            for batching in colors:
                 for accum in sorted({c["accum"] for c in cells}):
                     rows = sorted(
                         (

@@ -148,7 +148,9 @@ def add_index_commands(
         help="an index written by `omnifeed index` (none with a --config whose plan has a mixture: "
         "it names the indexes)",
     )
-    plan.add_argument("--world-size", type=int, required=True, help="data-parallel ranks sharing each step")
+    plan.add_argument(
+        "--world-size", type=int, help="data-parallel ranks sharing each step (needed to deal; not to --write-epochs)"
+    )
     plan.add_argument("--seed", type=int, help="shuffle seed (default 0)")
     plan.add_argument("--epoch", type=int, help="start epoch (new run) and the epoch to deliver fully")
     plan.add_argument("--grad-accum", type=int, default=1, help="micro-batches per rank per step (default 1)")
@@ -205,4 +207,11 @@ def add_index_commands(
         help="with --resume and a --config of other mixture weights or phases: each source goes on from its position",
     )
     plan.add_argument("--save-state", metavar="STATE_JSON", help="write the state after the last step")
+    plan.add_argument(
+        "--write-epochs",
+        type=int,
+        metavar="N",
+        help="with --budget: plan N epochs (from --epoch, default 0) once and write them under INDEX_DIR/plans/, "
+        "so that every rank deals a step by look-up instead of planning the world's windows (thousands of ranks)",
+    )
     plan.set_defaults(run=runs("._plan_cmd", "run_plan"))

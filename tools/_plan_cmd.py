@@ -13,7 +13,15 @@ from typing import Any
 
 from omnifeed.loader import Plan, PlanConfig, PlanCursor, SampleIndex, Step, delivery_records, validated
 from omnifeed.loader.index import MixtureIndex
-from omnifeed.loader.plan import MixtureConfig, MixtureReport, PlanReport, budget_guidance, open_mixture, suggest_budget
+from omnifeed.loader.plan import (
+    MixtureConfig,
+    MixtureReport,
+    PlanReport,
+    budget_guidance,
+    open_mixture,
+    suggest_budget,
+    write_planned_epochs,
+)
 
 from ._index_commands import _flags, _section
 
@@ -71,6 +79,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.suggest_budget is not None:
         return _suggest(args, index, saved)
     plan = Plan.from_index(index, _plan_config(args, saved["plan"] if saved else None))
+    if args.write_epochs is not None:
+        return _write_epochs(args, plan)
+    if args.world_size is None:
+        args.parser.error("give --world-size: the data-parallel ranks sharing each step")
     if plan.dropped_per_epoch:
         logging.warning("drop_last: %d samples of every epoch are not delivered", plan.dropped_per_epoch)
     cursor = PlanCursor(
@@ -101,6 +113,23 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.save_state:
         state = {"plan": plan.config.model_dump(), "state": cursor.state_dict()}
         Path(args.save_state).write_text(json.dumps(state, indent=1) + "\n", encoding="utf-8")
+    return 0
+
+
+def _write_epochs(args: argparse.Namespace, plan: Plan) -> int:
+    """`--write-epochs N`: plan N epochs once and write them under the index; one JSON line per epoch."""
+    if args.write_epochs < 1:
+        raise ValueError(f"--write-epochs takes a number of epochs, 1 or more; got {args.write_epochs}")
+    if plan.index_path is None:
+        raise ValueError("--write-epochs writes under one index (INDEX_DIR); a mixture's epochs are not planned ahead")
+    first = args.epoch or 0
+
+    def written(epoch: int, micro_batches: int) -> None:
+        sys.stdout.write(json.dumps({"epoch": epoch, "micro_batches": micro_batches}) + "\n")
+        sys.stdout.flush()
+
+    root = write_planned_epochs(plan, plan.index_path, range(first, first + args.write_epochs), written)
+    logging.info("planned epochs written to %s", root)
     return 0
 
 

@@ -16,6 +16,7 @@ from ._mixture_audit import MixtureCoverageReport, SourceCoverage, verify_mixtur
 from ._mixture_config import MixtureConfig, MixturePhaseConfig, MixtureSource
 from ._mixture_report import MixtureReport
 from ._plan import MicroBatch, Plan
+from ._planned import PlannedEpoch, PlannedEpochs, write_planned_epochs
 from ._report import PlanReport
 from ._step import Step
 
@@ -31,6 +32,8 @@ __all__ = [
     "MixtureStream",
     "Plan",
     "PlanConfig",
+    "PlannedEpoch",
+    "PlannedEpochs",
     "PlanCursor",
     "PlanReport",
     "SourceCoverage",
@@ -48,4 +51,5 @@ __all__ = [
     "suggest_budget",
     "verify_coverage",
     "verify_mixture",
+    "write_planned_epochs",
 ]

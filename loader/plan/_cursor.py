@@ -29,6 +29,7 @@ import numpy as np
 from .._errors import StateMismatchError
 from ._fixed_form import FixedBatchForm, FixedStep
 from ._plan import Plan, WindowPlan
+from ._planned import PlannedEpoch
 from ._step import Step, WindowSpans
 
 # /2 (issue 29): budget mode forms other micro-batches (cells and windows chosen from the data, equal windows,
@@ -137,6 +138,16 @@ class PlanCursor:
         )
         spans, left = WindowSpans(), size
         while left:
+            planned = self._planned_epoch()
+            if planned is not None:  # written ahead: by number, nothing planned
+                take = min(left, planned.size - self.micro_batch)
+                spans.add_run(planned.micro_batch, self.micro_batch, take)
+                left -= take
+                self.epoch, self.window, self.window_start, self.offset, self.micro_batch, self.carried = (
+                    planned.state_before(self.micro_batch + take)
+                )
+                self._current = None
+                continue
             if self._current is None and stop is not None and stop():
                 (
                     self.epoch,
@@ -160,6 +171,25 @@ class PlanCursor:
             if self.offset >= len(current.micro_batches):
                 self._advance(current)
         return spans
+
+    def _planned_epoch(self) -> PlannedEpoch | None:
+        """The epoch in progress as written ahead, when the cursor is where those files' walk is (else None)."""
+        written = self.plan.planned
+        if written is None or self.budget != self.plan.budget or self.next_budget != self.budget:
+            return None  # memory feedback changed the budget: the files are of the configured one
+        planned = written.epoch(self.epoch)
+        if planned is None or self.micro_batch >= planned.size:
+            return None
+        epoch, window, start, offset, micro_batch, carried = planned.state_before(self.micro_batch)
+        if (epoch, window, start, offset, micro_batch) != (
+            self.epoch,
+            self.window,
+            self.window_start,
+            self.offset,
+            self.micro_batch,
+        ) or not np.array_equal(carried, self.carried):
+            return None  # a state of another history (a budget changed and back): planned live
+        return planned
 
     def _window_plan(self) -> WindowPlan:
         if self._current is None:
@@ -333,10 +363,14 @@ def steps_left_in_epoch(plan: Plan, state: Mapping[str, Any]) -> int:
     """Steps dealt from ``state`` (at its own topology) until its epoch is delivered.
 
     Plans the rest of the epoch window by window (O(samples left), nothing decoded or read):
-    the number of micro-batches a cost budget makes is known only by planning them.
+    the number of micro-batches a cost budget makes is known only by planning them, unless the
+    epoch was written ahead (`write_planned_epochs`): then it is a subtraction.
     """
     cursor = PlanCursor(plan, world_size=int(state["world_size"]), grad_accum=int(state["grad_accum"]))
     cursor.load_state_dict(state)
+    planned = cursor._planned_epoch()
+    if planned is not None:
+        return -(-(planned.size - cursor.micro_batch) // (cursor.world_size * cursor.grad_accum))
     epoch, steps = cursor.epoch, 0
     while not cursor.epoch_delivered(epoch):
         cursor.next_step()

@@ -25,6 +25,8 @@ cut into as many cells as that window's micro-batches of the mix bear.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -53,6 +55,7 @@ from ._stream import TAG_ORDER, SampleStream
 
 if TYPE_CHECKING:
     from ..index import SampleIndex
+    from ._planned import PlannedEpochs
 
 # Default windows: fixed-size batches need no more than a few micro-batches' worth; bucketing fills
 # micro-batches tightly only when a window holds thousands of them (`_bucket_plan`).
@@ -74,6 +77,7 @@ class Plan:
         describe: Callable[[int], str] | None = None,
         mixture: MixtureStream | None = None,
         even_lengths: Callable[[int], Mapping[str, np.ndarray]] | None = None,
+        index_path: str | Path | None = None,
     ) -> None:
         if num_samples <= 0:
             raise ValueError("the plan needs at least one sample; the index is empty")
@@ -108,6 +112,7 @@ class Plan:
         self._shard_sizes, self._by_shard = shard_sizes, by_shard  # kept for with_config
         self._lengths = lengths
         self._even_lengths = even_lengths  # the index's stored even sample of lengths (`SampleIndex.even_lengths`)
+        self.index_path = None if index_path is None else Path(index_path)
         self._describe = describe or (lambda position: f"position {position}")
         self._equal_windows = bool(
             self.bucketing and self.bucketing.mode == "budget" and config.shuffle != "shard_block"
@@ -141,6 +146,7 @@ class Plan:
             lengths=index.length_columns,
             describe=lambda position: f"{index.keys([position])[0]!r} (position {position})",
             even_lengths=index.even_lengths,
+            index_path=index.path,
         )
 
     @classmethod
@@ -177,7 +183,15 @@ class Plan:
             describe=self._describe,
             mixture=mixture,
             even_lengths=self._even_lengths,
+            index_path=self.index_path,
         )
+
+    @cached_property
+    def planned(self) -> PlannedEpochs | None:
+        """This plan's epochs written ahead under its index (`write_planned_epochs`), or None."""
+        from ._planned import PlannedEpochs  # it builds on the plan
+
+        return None if self.index_path is None else PlannedEpochs.find(self.index_path, self)
 
     @property
     def budget(self) -> float | None:

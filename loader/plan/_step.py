@@ -10,6 +10,7 @@ audits that look at the whole step).
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Callable
 from functools import cached_property
 from typing import Protocol
 
@@ -82,21 +83,25 @@ class Step:
 
 
 class WindowSpans:
-    """A step's micro-batches as consecutive runs of planned windows: ``(window plan, first offset, count)``."""
+    """A step's micro-batches as consecutive runs: of planned windows, or of a planned epoch's numbered ones."""
 
     def __init__(self) -> None:
-        self._spans: list[tuple[WindowPlan, int, int]] = []
+        self._spans: list[tuple[Callable[[int], MicroBatch], int]] = []  # (micro-batch by number, first number)
         self._ends: list[int] = []  # cumulative counts
 
     def add(self, window: WindowPlan, offset: int, count: int) -> None:
         """The next ``count`` micro-batches are ``window``'s from ``offset`` on."""
-        self._spans.append((window, offset, count))
+        self.add_run(window.micro_batches.__getitem__, offset, count)
+
+    def add_run(self, at: Callable[[int], MicroBatch], first: int, count: int) -> None:
+        """The next ``count`` micro-batches are ``at(first)``, ``at(first + 1)``, ..."""
+        self._spans.append((at, first))
         self._ends.append((self._ends[-1] if self._ends else 0) + count)
 
     def __call__(self, i: int) -> MicroBatch:
         span = bisect_right(self._ends, i)
-        window, offset, _ = self._spans[span]
-        return window.micro_batches[offset + i - (self._ends[span - 1] if span else 0)]
+        at, first = self._spans[span]
+        return at(first + i - (self._ends[span - 1] if span else 0))
 
     def many(self, places: list[int]) -> list[MicroBatch]:
         """The micro-batches at ``places`` (planned already: nothing to compute together)."""

@@ -39,6 +39,8 @@ def test_scale_scenario_reports_every_cell_and_the_index(tmp_path: Path) -> None
         "64,256",
         "--index-cache",
         str(tmp_path / "indexes"),
+        "--written-samples",
+        "20000",
     ]
     run = subprocess.run(
         [sys.executable, "-c", _CLI, "bench", "--scenario", "scale", *args, "--out", str(out)],
@@ -50,8 +52,11 @@ def test_scale_scenario_reports_every_cell_and_the_index(tmp_path: Path) -> None
     report = json.loads((out / "report.json").read_text())
     cells = report["cells"]
     assert {(c["batching"], c["dp"], c["accum"]) for c in cells} == {
-        (b, dp, a) for b in ("fixed", "budget") for dp in (2, 4) for a in (1, 16)
+        (b, dp, a) for b in ("fixed", "budget", "budget-written") for dp in (2, 4) for a in (1, 16)
     }
+    written = [c for c in cells if c["batching"] == "budget-written"]
+    assert {c["samples"] for c in written} == {20000} and written[0]["write_s"] > 0
+    assert all(c["write_s"] == 0 for c in written[1:])  # the epoch is written once, by the first such cell
     for cell in cells:
         assert CELL_KEYS <= set(cell), sorted(CELL_KEYS - set(cell))
         assert cell["cut"] == [] and cell["steps"] >= 3 and cell["crossed_window"]
@@ -76,6 +81,7 @@ def test_scale_scenario_reports_every_cell_and_the_index(tmp_path: Path) -> None
 def test_a_cell_over_its_time_limit_is_cut_not_waited_for(tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["--scale-samples", "100000", "--world-sizes", "512", "--accums", "16", "--index-rows", "0"]
+    args += ["--written-samples", "0"]
     run = subprocess.run(
         [
             sys.executable,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -424,3 +425,30 @@ def test_stats_say_when_the_budget_is_too_small_and_suggest_budget_proposes_one(
     assert {"samples_over_budget", "budget_holding_99", "budget_holding_100"} <= set(guidance)
     suggestion = json.loads(run("plan", str(index_dir), "--world-size", "2", "--suggest-budget", "4").stdout)
     assert suggestion["suggested_budget"] > 0 and suggestion["samples_per_micro_batch"] >= 1
+
+
+def test_epochs_written_ahead_deal_the_same_and_resume_exactly_once(index_dir: Path, tmp_path: Path) -> None:
+    """`--write-epochs` plans a budget's epochs once under the index; dealing from them prints what planning live
+    printed, and a resize from a state saved on them delivers the epoch exactly once."""
+    index = tmp_path / "index"
+    shutil.copytree(index_dir, index)
+    budget = ["--seed", "5", "--budget", "60000", "--overlong", "alone"]
+    live = run("plan", str(index), "--world-size", "3", *budget).stdout
+    written = records(run("plan", str(index), *budget, "--write-epochs", "2").stdout)
+    epoch_0 = [r for r in records(live) if r["epoch"] == 0]
+    assert [w["epoch"] for w in written] == [0, 1] and written[0]["micro_batches"] == len(epoch_0)
+    assert len(list((index / "plans").glob("*/epoch-*"))) == 2
+    assert run("plan", str(index), "--world-size", "3", *budget).stdout == live
+    state, log = tmp_path / "state.json", tmp_path / "log.jsonl"
+    head = run("plan", str(index), "--world-size", "3", *budget, "--steps", "2", "--save-state", str(state)).stdout
+    tail = run("plan", str(index), "--world-size", "2", "--resume", str(state)).stdout
+    log.write_text(head + tail)
+    report = json.loads(run("verify", str(index), str(log), "--epoch", "0").stdout)
+    assert report["ok"], report
+
+
+def test_write_epochs_of_fixed_size_batches_is_refused_in_one_line(index_dir: Path) -> None:
+    line = one_line_error(run("plan", str(index_dir), "--write-epochs", "1", check=False))
+    assert "only a cost budget's epochs are planned ahead" in line
+    result = run("plan", str(index_dir), "--budget", "60000", check=False)
+    assert result.returncode == 2 and "give --world-size" in result.stderr

@@ -265,3 +265,27 @@ def test_feeds_on_shared_resources_deliver_what_their_own_would_and_leave_them_o
             Feed(index, config(), shared=shared, decoders={"text": lambda data, key: data})
     finally:
         engine.close()
+
+
+def test_a_budget_s_epoch_written_ahead_feeds_the_same_batches_and_length(
+    demo_shards: list[Path], tmp_path: Path
+) -> None:
+    """`omnifeed plan --write-epochs` beside a feed's index: the feed deals from the files (nothing planned), its
+    batches and `len` are those of planning live, and an audit log of the epoch verifies exactly once."""
+    from omnifeed.bucketing import BucketingConfig
+    from omnifeed.loader.plan import write_planned_epochs
+
+    build_index([str(p) for p in demo_shards], tmp_path / "index", IndexConfig(workers=1), progress=False)
+    index = SampleIndex(tmp_path / "index")
+    budget = FeedConfig(plan=PlanConfig(seed=2, bucketing=BucketingConfig(budget=2e4, overlong="alone")))
+    with Feed(index, budget, world_size=2, rank=0) as live:
+        live_length, live_keys = len(live), [b["__key__"] for b in live]
+    write_planned_epochs(Plan.from_index(index, budget.plan), index.path, range(4))  # the read-ahead goes on
+    log = tmp_path / "written.jsonl"
+    with Feed(index, budget, world_size=2, rank=0, audit_log=log) as feed:
+        assert feed.plan.planned is not None and len(feed) == live_length
+        assert [b["__key__"] for b in feed] == live_keys
+        assert feed.plan.work == 0
+    with Feed(index, budget, world_size=2, rank=1, audit_log=log) as other:
+        list(other)
+    assert verify_coverage(index, 0, read_delivery_logs([log])).ok

@@ -1,0 +1,231 @@
+"""`PlannedEpochs`: a cost budget's epochs planned once ahead of training, dealt by micro-batch number.
+
+A budget's micro-batches are known only by planning their windows, and a step of a large world
+spans whole windows (65,536 micro-batches at dp 4,096 × accum 16): dealing it live costs every
+node a plan of the world's step. Planned ahead (``omnifeed plan INDEX --budget B --write-epochs N``,
+a pre-caching job like the index build), an epoch is a few memory-mapped arrays: every micro-batch's
+sample positions and cost, the window it belongs to, and each window's start and the ids carried
+into it. The cursor then finds the micro-batches a rank asks for, and its own state after a step, by
+number, at any world size: what live planning deals, micro-batch for micro-batch and state for state
+(`tests/loader/plan/test_planned.py`), for a few look-ups.
+
+The files are derived, like the index's ``lengths.npy``: written under the index
+(``plans/<config fingerprint>/epoch-<n>/``) and used only where they hold. An epoch not written, a
+budget changed by memory feedback, a cursor off the files' path (a state saved under another budget
+history) or files that do not check out are planned live, with the same result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ._micro_batch import _NOTHING, MicroBatch
+
+if TYPE_CHECKING:
+    from ._plan import Plan
+
+logger = logging.getLogger(__name__)
+
+PLANNED_FORMAT = "omnifeed.planned-epoch/1"
+PLANS_DIR = "plans"
+_HEADER = "epoch.json"
+_ARRAYS = ("positions", "bounds", "costs", "windows", "window_table", "carried", "carried_bounds")
+
+CursorState = tuple[int, int, int, int, int, np.ndarray]
+"""The cursor's place before a micro-batch: (epoch, window, window start, offset, micro-batch, carried ids)."""
+
+
+def plans_directory(index_path: str | Path, plan: Plan) -> Path:
+    """Where ``plan``'s planned epochs live under the index at ``index_path``."""
+    return Path(index_path) / PLANS_DIR / plan.config_fingerprint
+
+
+def _plannable(plan: Plan) -> str | None:
+    """Why ``plan``'s epochs cannot be written ahead (None: they can)."""
+    bucketing = plan.bucketing
+    if bucketing is None or bucketing.mode != "budget":
+        return "only a cost budget's epochs are planned ahead (fixed-size batches are dealt in closed form already)"
+    if plan.mixture is not None:
+        return "a mixture's epochs are not planned ahead (their weights can change mid-run): drop --write-epochs"
+    return None
+
+
+def _epoch_arrays(plan: Plan, epoch: int) -> tuple[dict[str, np.ndarray], int]:
+    """Epoch ``epoch`` planned window by window at the configured budget (the cursor's walk), as the files' arrays."""
+    positions: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
+    costs: list[np.ndarray] = []
+    windows: list[np.ndarray] = []
+    table: list[tuple[int, int, int]] = []
+    carries: list[np.ndarray] = []
+    window, start, carried, first = 0, 0, _NOTHING, 0
+    while True:
+        planned = plan.window(epoch, window, start, budget=plan.budget, first_index=first, carried=carried)
+        batches = planned.micro_batches
+        positions.extend(mb.positions for mb in batches)
+        sizes.append(np.fromiter((len(mb.positions) for mb in batches), dtype=np.int64, count=len(batches)))
+        costs.append(np.fromiter((mb.cost for mb in batches), dtype=np.float64, count=len(batches)))
+        windows.append(np.full(len(batches), window, dtype=np.int64))
+        table.append((start, first, len(batches)))
+        carries.append(np.asarray(carried, dtype=np.int64))
+        first += len(batches)
+        if planned.last:
+            break
+        window, start, carried = window + 1, planned.next_start, planned.carry
+    every = np.concatenate(sizes)
+    arrays = {
+        "positions": np.concatenate(positions).astype(np.int64, copy=False),
+        "bounds": np.concatenate([[0], np.cumsum(every)]).astype(np.int64),
+        "costs": np.concatenate(costs),
+        "windows": np.concatenate(windows),
+        "window_table": np.asarray(table, dtype=np.int64).reshape(-1, 3),
+        "carried": np.concatenate(carries),
+        "carried_bounds": np.concatenate([[0], np.cumsum([len(c) for c in carries])]).astype(np.int64),
+    }
+    return arrays, len(table)
+
+
+def write_planned_epochs(
+    plan: Plan, index_path: str | Path, epochs: range, progress: Callable[[int, int], None] | None = None
+) -> Path:
+    """Plan ``epochs`` of ``plan`` and write them under the index at ``index_path`` (its ``plans/`` folder).
+
+    Each epoch is written to a temporary folder and renamed into place, so a reader sees it whole or
+    not at all; an epoch already there is replaced. ``progress(epoch, micro_batches)`` after each.
+    Raises ValueError for a plan whose epochs are not planned ahead (fixed-size batches, packing, a mixture).
+    """
+    why = _plannable(plan)
+    if why is not None:
+        raise ValueError(why)
+    root = plans_directory(index_path, plan)
+    root.mkdir(parents=True, exist_ok=True)
+    for epoch in epochs:
+        arrays, windows = _epoch_arrays(plan, epoch)
+        header = {
+            "format": PLANNED_FORMAT,
+            "index_fingerprint": plan.index_fingerprint,
+            "config_fingerprint": plan.config_fingerprint,
+            "budget": plan.budget,
+            "epoch": epoch,
+            "micro_batches": len(arrays["costs"]),
+            "windows": windows,
+            "samples": len(arrays["positions"]),
+        }
+        staging = root / f".epoch-{epoch}.{os.getpid()}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        for name, array in arrays.items():
+            np.save(staging / f"{name}.npy", array)
+        (staging / _HEADER).write_text(json.dumps(header) + "\n", encoding="utf-8")
+        final = root / f"epoch-{epoch}"
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+        if progress is not None:
+            progress(epoch, len(arrays["costs"]))
+    return root
+
+
+class PlannedEpoch:
+    """One planned epoch's arrays, memory-mapped."""
+
+    def __init__(self, folder: Path, header: dict[str, Any]) -> None:
+        self.epoch, self.size = int(header["epoch"]), int(header["micro_batches"])
+        arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
+        self.positions, self.bounds, self.costs = arrays["positions"], arrays["bounds"], arrays["costs"]
+        self.windows, self.table = arrays["windows"], arrays["window_table"]
+        self.carried, self.carried_bounds = arrays["carried"], arrays["carried_bounds"]
+        windows = int(header["windows"])
+        if (
+            self.bounds.shape != (self.size + 1,)
+            or self.costs.shape != (self.size,)
+            or self.windows.shape != (self.size,)
+            or self.table.shape != (windows, 3)
+            or self.carried_bounds.shape != (windows + 1,)
+            or int(self.bounds[-1]) != len(self.positions)
+            or len(self.positions) != int(header["samples"])
+            or int(self.carried_bounds[-1]) != len(self.carried)
+        ):
+            raise ValueError("its arrays do not agree with its header")
+
+    def micro_batch(self, g: int) -> MicroBatch:
+        positions = np.array(self.positions[self.bounds[g] : self.bounds[g + 1]])
+        return MicroBatch(
+            self.epoch, g, int(self.windows[g]), positions, float(self.costs[g]), None, g == self.size - 1
+        )
+
+    def _window(self, window: int) -> tuple[int, int, int, np.ndarray]:
+        start, first, count = (int(v) for v in self.table[window])
+        carried = np.array(self.carried[self.carried_bounds[window] : self.carried_bounds[window + 1]])
+        return start, first, count, carried
+
+    def state_before(self, g: int) -> CursorState:
+        """The cursor's state once micro-batches ``[0, g)`` are dealt (``g`` = the epoch's size: the next epoch's
+        start)."""
+        if g >= self.size:
+            return self.epoch + 1, 0, 0, 0, 0, _NOTHING
+        if g == 0:
+            return self.epoch, 0, 0, 0, 0, _NOTHING
+        window = int(self.windows[g - 1])
+        start, first, count, carried = self._window(window)
+        if g - first < count:
+            return self.epoch, window, start, g - first, g, carried
+        # the window's last was dealt: the cursor has moved on to the next (which may deal nothing)
+        start, _, _, carried = self._window(window + 1)
+        return self.epoch, window + 1, start, 0, g, carried
+
+
+class PlannedEpochs:
+    """A budget plan's epochs written ahead under its index, each checked against the plan when first used."""
+
+    def __init__(self, root: Path, plan: Plan) -> None:
+        self.root, self.plan = root, plan
+        self._epochs: dict[int, PlannedEpoch | None] = {}
+
+    @classmethod
+    def find(cls, index_path: str | Path, plan: Plan) -> PlannedEpochs | None:
+        """The planned epochs of ``plan`` under the index at ``index_path``, or None when none were written."""
+        if _plannable(plan) is not None:
+            return None
+        root = plans_directory(index_path, plan)
+        return cls(root, plan) if root.is_dir() else None
+
+    def epoch(self, epoch: int) -> PlannedEpoch | None:
+        """Planned epoch ``epoch``, or None (not written, or its files do not check out: then logged once)."""
+        if epoch not in self._epochs:
+            self._epochs[epoch] = self._open(epoch)
+        return self._epochs[epoch]
+
+    def _open(self, epoch: int) -> PlannedEpoch | None:
+        folder = self.root / f"epoch-{epoch}"
+        if not folder.is_dir():
+            return None
+        try:
+            header = json.loads((folder / _HEADER).read_text(encoding="utf-8"))
+            expected = {
+                "format": PLANNED_FORMAT,
+                "index_fingerprint": self.plan.index_fingerprint,
+                "config_fingerprint": self.plan.config_fingerprint,
+                "budget": self.plan.budget,
+                "epoch": epoch,
+            }
+            wrong = sorted(k for k, v in expected.items() if header.get(k) != v)
+            if wrong:
+                raise ValueError(f"written for another {', '.join(wrong)}")
+            return PlannedEpoch(folder, header)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            logger.warning(
+                "%s: planned epoch not used (%s); it is planned live instead, the same micro-batches. Write it "
+                "again with `omnifeed plan INDEX ... --write-epochs`",
+                folder,
+                exc,
+            )
+            return None

@@ -1,0 +1,209 @@
+"""A budget's epochs written ahead (`write_planned_epochs`) deal what planning them live deals: the same micro-batches
+in the same order and the same state after every step, for any world size, accumulation, resize history, resume point
+and budget change, and into epochs that were not written; while on them, nothing is planned. Files that do not check
+out are set aside with a warning, never trusted."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_plan import FP, synthetic_lengths
+
+from omnifeed.bucketing import BucketingConfig
+from omnifeed.loader.plan import (
+    MicroBatch,
+    Plan,
+    PlanConfig,
+    PlanCursor,
+    PlannedEpochs,
+    steps_left_in_epoch,
+    write_planned_epochs,
+)
+from omnifeed.loader.plan._planned import plans_directory
+
+
+def _view(micro_batches: list[MicroBatch] | tuple[MicroBatch, ...]) -> list[tuple[Any, ...]]:
+    return [(mb.epoch, mb.index, mb.window, mb.positions.tolist(), mb.cost, mb.ends_epoch) for mb in micro_batches]
+
+
+def _plans(num_samples: int, config: PlanConfig, folder: Path, epochs: range) -> tuple[Plan, Plan]:
+    """The plan planned live, and the same plan over ``folder`` with ``epochs`` written ahead there."""
+    lengths = synthetic_lengths(num_samples)
+    writer = Plan(num_samples, config, index_fingerprint=FP, lengths=lengths, index_path=folder)
+    write_planned_epochs(writer, folder, epochs)
+    return (
+        Plan(num_samples, config, index_fingerprint=FP, lengths=lengths),
+        Plan(num_samples, config, index_fingerprint=FP, lengths=lengths, index_path=folder),
+    )
+
+
+def _budget(window: int, budget: float, carry: int = 256, tiers: bool = True) -> PlanConfig:
+    bucketing = BucketingConfig(
+        budget=budget,
+        overlong="alone",
+        carry=carry,
+        tier_width=0.02 if tiers else None,
+        min_budget=budget / 4,
+        max_budget=budget * 2,
+    )
+    return PlanConfig(seed=7, window_size=window, bucketing=bucketing)
+
+
+_TOPOLOGIES = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 10)), min_size=1, max_size=4)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    num_samples=st.integers(30, 500),
+    window=st.integers(15, 200),
+    budget=st.sampled_from([3000.0, 8000.0, 20000.0]),
+    carry=st.sampled_from([0, 3, 256]),
+    tiers=st.booleans(),
+    written=st.sampled_from([range(0, 1), range(0, 2), range(1, 3)]),
+    topologies=_TOPOLOGIES,
+    resume_at=st.integers(0, 14),
+    feedback_at=st.one_of(st.none(), st.integers(0, 14)),
+)
+def test_written_epochs_deal_what_live_planning_deals(
+    tmp_path_factory: pytest.TempPathFactory,
+    num_samples: int,
+    window: int,
+    budget: float,
+    carry: int,
+    tiers: bool,
+    written: range,
+    topologies: list[tuple[int, int, int]],
+    resume_at: int,
+    feedback_at: int | None,
+) -> None:
+    live_plan, planned_plan = _plans(
+        num_samples, _budget(window, budget, carry, tiers), tmp_path_factory.mktemp("planned"), written
+    )
+    live, planned = PlanCursor(live_plan), PlanCursor(planned_plan)
+    dealt = 0
+    for world_size, grad_accum, steps in topologies:
+        live.resize(world_size, grad_accum)
+        planned.resize(world_size, grad_accum)
+        for _ in range(steps):
+            expected, step = live.next_step(), planned.next_step()
+            assert _view(step.micro_batches) == _view(expected.micro_batches)
+            for rank in range(world_size):
+                assert _view(step.for_rank(rank)) == _view(expected.for_rank(rank))
+            assert planned.state_dict() == live.state_dict()
+            assert steps_left_in_epoch(planned_plan, planned.state_dict()) == steps_left_in_epoch(
+                live_plan, live.state_dict()
+            )
+            dealt += 1
+            if dealt == feedback_at:  # memory feedback: the budget changes from the next window on, then back
+                for cursor in (live, planned):
+                    cursor.report_headroom(0.9)
+            if feedback_at is not None and dealt == feedback_at + 3:
+                for cursor in (live, planned):
+                    cursor.next_budget = cursor.plan.budget
+            if dealt == resume_at:
+                resumed = PlanCursor(
+                    planned_plan.with_config(planned_plan.config), world_size=world_size, grad_accum=grad_accum
+                )
+                resumed.load_state_dict(planned.state_dict())
+                planned = resumed
+
+
+def test_on_written_epochs_nothing_is_planned_at_any_world_size(tmp_path: Path) -> None:
+    """Steps, a resize to a world whose step is half an epoch, a resume and `len`: look-ups (no stream evaluated)."""
+    _, plan = _plans(6000, _budget(600, 8000.0), tmp_path, range(0, 3))
+    assert plan.planned is not None
+    written = plan.planned.epoch(0)
+    assert written is not None
+    world = written.size // 4
+    cursor = PlanCursor(plan, world_size=64, grad_accum=2)
+    for _ in range(3):
+        cursor.next_step().for_rank(5)
+    cursor.resize(world, 2)
+    start = cursor.micro_batch
+    step = cursor.next_step()
+    assert [mb.index for mb in step.for_rank(world - 1)] == [start + world - 1, start + 2 * world - 1]
+    resumed = PlanCursor(plan, world_size=7)
+    resumed.load_state_dict(cursor.state_dict())
+    resumed.next_step()
+    assert steps_left_in_epoch(plan, resumed.state_dict()) >= 1
+    assert plan.work == 0
+
+
+def test_epochs_past_the_written_ones_are_planned_live(tmp_path: Path) -> None:
+    live_plan, plan = _plans(600, _budget(150, 8000.0), tmp_path, range(0, 1))
+    live, cursor = PlanCursor(live_plan, world_size=3), PlanCursor(plan, world_size=3)
+    while cursor.epoch < 2:
+        assert _view(cursor.next_step().micro_batches) == _view(live.next_step().micro_batches)
+    assert plan.work > 0 and cursor.state_dict() == live.state_dict()
+
+
+def _damage_costs(folder: Path) -> None:
+    np.save(folder / "costs.npy", np.load(folder / "costs.npy")[:-1])
+
+
+def _other_budget(folder: Path) -> None:
+    header = json.loads((folder / "epoch.json").read_text())
+    (folder / "epoch.json").write_text(json.dumps({**header, "budget": 1.0}))
+
+
+def _missing_array(folder: Path) -> None:
+    (folder / "bounds.npy").unlink()
+
+
+def _not_json(folder: Path) -> None:
+    (folder / "epoch.json").write_text("{")
+
+
+@pytest.mark.parametrize("damage", [_damage_costs, _other_budget, _missing_array, _not_json])
+def test_files_that_do_not_check_out_are_set_aside_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: Any
+) -> None:
+    live_plan, plan = _plans(500, _budget(120, 8000.0), tmp_path, range(0, 1))
+    damage(plans_directory(tmp_path, plan) / "epoch-0")
+    live, cursor = PlanCursor(live_plan, world_size=2), PlanCursor(plan, world_size=2)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            assert _view(cursor.next_step().micro_batches) == _view(live.next_step().micro_batches)
+    assert "epoch-0: planned epoch not used" in caplog.text and "--write-epochs" in caplog.text
+    assert plan.work > 0
+
+
+def test_a_state_of_another_budget_history_is_planned_live(tmp_path: Path) -> None:
+    """A state saved while memory feedback had the budget elsewhere is off the written path: planned live."""
+    live_plan, plan = _plans(900, _budget(150, 8000.0), tmp_path, range(0, 1))
+    source = PlanCursor(live_plan, world_size=2)
+    source.report_headroom(0.9)
+    for _ in range(12):
+        source.next_step()
+    source.next_budget = live_plan.budget
+    live, cursor = PlanCursor(live_plan, world_size=2), PlanCursor(plan, world_size=2)
+    live.load_state_dict(source.state_dict())
+    cursor.load_state_dict(source.state_dict())
+    while cursor.epoch < 1:
+        assert _view(cursor.next_step().micro_batches) == _view(live.next_step().micro_batches)
+        assert cursor.state_dict() == live.state_dict()
+
+
+def test_only_a_budget_s_epochs_without_a_mixture_are_written(tmp_path: Path) -> None:
+    fixed = Plan(100, PlanConfig(batch_size=4), index_fingerprint=FP, index_path=tmp_path)
+    with pytest.raises(ValueError, match="only a cost budget's epochs are planned ahead"):
+        write_planned_epochs(fixed, tmp_path, range(1))
+    packing = PlanConfig(bucketing=BucketingConfig(mode="packing", budget=512, overlong="split"))
+    packed = Plan(100, packing, index_fingerprint=FP, lengths=synthetic_lengths(100), index_path=tmp_path)
+    with pytest.raises(ValueError, match="only a cost budget's"):
+        write_planned_epochs(packed, tmp_path, range(1))
+    assert PlannedEpochs.find(tmp_path, fixed) is None and not (tmp_path / "plans").exists()
+
+
+def test_another_config_finds_no_written_epochs(tmp_path: Path) -> None:
+    _, plan = _plans(300, _budget(100, 8000.0), tmp_path, range(0, 1))
+    assert plan.planned is not None and plan.planned.epoch(0) is not None
+    other = plan.with_config(_budget(100, 9000.0))
+    assert other.planned is None
