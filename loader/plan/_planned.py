@@ -58,39 +58,63 @@ def _plannable(plan: Plan) -> str | None:
     return None
 
 
-def _epoch_arrays(plan: Plan, epoch: int) -> tuple[dict[str, np.ndarray], int]:
-    """Epoch ``epoch`` planned window by window at the configured budget (the cursor's walk), as the files' arrays."""
-    positions: list[np.ndarray] = []
-    sizes: list[np.ndarray] = []
-    costs: list[np.ndarray] = []
-    windows: list[np.ndarray] = []
+class _AppendedArray:
+    """A one-dimensional array written piece by piece to a raw file, saved as ``.npy`` when complete (the memory
+    of writing an epoch is a window's, whatever the epoch's size)."""
+
+    def __init__(self, path: Path, dtype: type) -> None:
+        self.path, self.dtype, self.count = path, np.dtype(dtype), 0
+        self._raw_path = path.with_suffix(".raw")
+        self._raw = open(self._raw_path, "wb")  # noqa: SIM115 (closed by save)
+
+    def add(self, values: Any) -> None:
+        array = np.ascontiguousarray(values, dtype=self.dtype)
+        array.tofile(self._raw)
+        self.count += len(array)
+
+    def save(self) -> int:
+        self._raw.close()
+        if self.count:
+            np.save(self.path, np.memmap(self._raw_path, dtype=self.dtype, mode="r", shape=(self.count,)))
+        else:
+            np.save(self.path, np.empty(0, dtype=self.dtype))
+        self._raw_path.unlink()
+        return self.count
+
+
+def _write_epoch(plan: Plan, epoch: int, folder: Path) -> tuple[int, int, int]:
+    """Epoch ``epoch`` planned window by window at the configured budget (the cursor's walk), its arrays written
+    into ``folder``: (micro-batches, windows, samples)."""
+    positions = _AppendedArray(folder / "positions.npy", np.int64)
+    bounds = _AppendedArray(folder / "bounds.npy", np.int64)
+    costs = _AppendedArray(folder / "costs.npy", np.float64)
+    windows = _AppendedArray(folder / "windows.npy", np.int64)
     table: list[tuple[int, int, int]] = []
     carries: list[np.ndarray] = []
-    window, start, carried, first = 0, 0, _NOTHING, 0
+    bounds.add([0])
+    window, start, carried, first, samples = 0, 0, _NOTHING, 0, 0
     while True:
         planned = plan.window(epoch, window, start, budget=plan.budget, first_index=first, carried=carried)
         batches = planned.micro_batches
-        positions.extend(mb.positions for mb in batches)
-        sizes.append(np.fromiter((len(mb.positions) for mb in batches), dtype=np.int64, count=len(batches)))
-        costs.append(np.fromiter((mb.cost for mb in batches), dtype=np.float64, count=len(batches)))
-        windows.append(np.full(len(batches), window, dtype=np.int64))
+        if batches:
+            positions.add(np.concatenate([mb.positions for mb in batches]))
+        sizes = np.fromiter((len(mb.positions) for mb in batches), dtype=np.int64, count=len(batches))
+        bounds.add(samples + np.cumsum(sizes))
+        samples += int(sizes.sum())
+        costs.add(np.fromiter((mb.cost for mb in batches), dtype=np.float64, count=len(batches)))
+        windows.add(np.full(len(batches), window, dtype=np.int64))
         table.append((start, first, len(batches)))
         carries.append(np.asarray(carried, dtype=np.int64))
         first += len(batches)
         if planned.last:
             break
         window, start, carried = window + 1, planned.next_start, planned.carry
-    every = np.concatenate(sizes)
-    arrays = {
-        "positions": np.concatenate(positions).astype(np.int64, copy=False),
-        "bounds": np.concatenate([[0], np.cumsum(every)]).astype(np.int64),
-        "costs": np.concatenate(costs),
-        "windows": np.concatenate(windows),
-        "window_table": np.asarray(table, dtype=np.int64).reshape(-1, 3),
-        "carried": np.concatenate(carries),
-        "carried_bounds": np.concatenate([[0], np.cumsum([len(c) for c in carries])]).astype(np.int64),
-    }
-    return arrays, len(table)
+    for appended in (positions, bounds, costs, windows):
+        appended.save()
+    np.save(folder / "window_table.npy", np.asarray(table, dtype=np.int64).reshape(-1, 3))
+    np.save(folder / "carried.npy", np.concatenate(carries))
+    np.save(folder / "carried_bounds.npy", np.concatenate([[0], np.cumsum([len(c) for c in carries])]).astype(np.int64))
+    return first, len(table), samples
 
 
 def write_planned_epochs(
@@ -108,29 +132,31 @@ def write_planned_epochs(
     root = plans_directory(index_path, plan)
     root.mkdir(parents=True, exist_ok=True)
     for epoch in epochs:
-        arrays, windows = _epoch_arrays(plan, epoch)
+        staging = root / f".epoch-{epoch}.{os.getpid()}.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        try:
+            micro_batches, windows, samples = _write_epoch(plan, epoch, staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)  # a plan that failed (a sample over the budget) leaves nothing
+            raise
         header = {
             "format": PLANNED_FORMAT,
             "index_fingerprint": plan.index_fingerprint,
             "config_fingerprint": plan.config_fingerprint,
             "budget": plan.budget,
             "epoch": epoch,
-            "micro_batches": len(arrays["costs"]),
+            "micro_batches": micro_batches,
             "windows": windows,
-            "samples": len(arrays["positions"]),
+            "samples": samples,
         }
-        staging = root / f".epoch-{epoch}.{os.getpid()}.tmp"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir()
-        for name, array in arrays.items():
-            np.save(staging / f"{name}.npy", array)
         (staging / _HEADER).write_text(json.dumps(header) + "\n", encoding="utf-8")
         final = root / f"epoch-{epoch}"
         if final.exists():
             shutil.rmtree(final)
         staging.rename(final)
         if progress is not None:
-            progress(epoch, len(arrays["costs"]))
+            progress(epoch, micro_batches)
     return root
 
 

@@ -207,3 +207,13 @@ def test_another_config_finds_no_written_epochs(tmp_path: Path) -> None:
     assert plan.planned is not None and plan.planned.epoch(0) is not None
     other = plan.with_config(_budget(100, 9000.0))
     assert other.planned is None
+
+
+def test_a_plan_that_fails_leaves_no_epoch_behind(tmp_path: Path) -> None:
+    from omnifeed.loader import OmnifeedError
+
+    config = PlanConfig(seed=1, window_size=50, bucketing=BucketingConfig(budget=100.0, overlong="reject"))
+    plan = Plan(200, config, index_fingerprint=FP, lengths=synthetic_lengths(200), index_path=tmp_path)
+    with pytest.raises(OmnifeedError, match="over the micro-batch budget"):
+        write_planned_epochs(plan, tmp_path, range(1))
+    assert list(plans_directory(tmp_path, plan).iterdir()) == []
