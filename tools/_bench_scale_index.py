@@ -30,7 +30,7 @@ def anon():  # resident memory of this process's own (not the mapped index's pag
         return next(int(line.split()[1]) for line in f if line.startswith('RssAnon:')) / 1024
 from omnifeed.bucketing import BucketingConfig
 from omnifeed.loader import SampleIndex
-from omnifeed.loader.plan import Plan, PlanConfig, PlanCursor
+from omnifeed.loader.plan import Plan, PlanConfig, PlanCursor, planned_epochs
 SampleIndex(sys.argv[2]).sample(0)  # a tiny index first: the first open's imports are not the index's cost
 before, before_anon = rss(), anon()
 start = time.perf_counter()
@@ -54,7 +54,7 @@ for name, config in configs.items():
     resumed.next_step().for_rank(0)
     out[name] = {"plan_s": built - start, "first_step_s": stepped - built,
                  "resume_s": time.perf_counter() - stepped, "state_bytes": len(state),
-                 "written_ahead": plan.planned is not None and plan.planned.epoch(0) is not None}
+                 "written_ahead": planned_epochs(plan) is not None and planned_epochs(plan).epoch(0) is not None}
 out.update(rss_end_mb=rss() - before, anon_end_mb=anon() - before_anon)
 print(json.dumps(out))
 """

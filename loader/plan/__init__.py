@@ -16,7 +16,7 @@ from ._mixture_audit import MixtureCoverageReport, SourceCoverage, verify_mixtur
 from ._mixture_config import MixtureConfig, MixturePhaseConfig, MixtureSource
 from ._mixture_report import MixtureReport
 from ._plan import MicroBatch, Plan
-from ._planned import PlannedEpoch, PlannedEpochs, write_planned_epochs
+from ._planned import PlannedEpoch, PlannedEpochs, planned_epochs, write_planned_epochs
 from ._report import PlanReport
 from ._step import Step
 
@@ -32,10 +32,10 @@ __all__ = [
     "MixtureStream",
     "Plan",
     "PlanConfig",
-    "PlannedEpoch",
-    "PlannedEpochs",
     "PlanCursor",
     "PlanReport",
+    "PlannedEpoch",
+    "PlannedEpochs",
     "SourceCoverage",
     "Step",
     "alone_costs",
@@ -46,6 +46,7 @@ __all__ = [
     "mixture_stream",
     "open_audit_log",
     "open_mixture",
+    "planned_epochs",
     "read_delivery_logs",
     "steps_left_in_epoch",
     "suggest_budget",

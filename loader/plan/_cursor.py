@@ -29,7 +29,7 @@ import numpy as np
 from .._errors import StateMismatchError
 from ._fixed_form import FixedBatchForm, FixedStep
 from ._plan import Plan, WindowPlan
-from ._planned import PlannedEpoch
+from ._planned import PlannedEpoch, planned_epochs
 from ._step import Step, WindowSpans
 
 # /2 (issue 29): budget mode forms other micro-batches (cells and windows chosen from the data, equal windows,
@@ -174,7 +174,7 @@ class PlanCursor:
 
     def _planned_epoch(self) -> PlannedEpoch | None:
         """The epoch in progress as written ahead, when the cursor is where those files' walk is (else None)."""
-        written = self.plan.planned
+        written = planned_epochs(self.plan)
         if written is None or self.budget != self.plan.budget or self.next_budget != self.budget:
             return None  # memory feedback changed the budget: the files are of the configured one
         planned = written.epoch(self.epoch)

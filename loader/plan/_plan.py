@@ -25,7 +25,6 @@ cut into as many cells as that window's micro-batches of the mix bear.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,7 +54,6 @@ from ._stream import TAG_ORDER, SampleStream
 
 if TYPE_CHECKING:
     from ..index import SampleIndex
-    from ._planned import PlannedEpochs
 
 # Default windows: fixed-size batches need no more than a few micro-batches' worth; bucketing fills
 # micro-batches tightly only when a window holds thousands of them (`_bucket_plan`).
@@ -112,7 +110,7 @@ class Plan:
         self._shard_sizes, self._by_shard = shard_sizes, by_shard  # kept for with_config
         self._lengths = lengths
         self._even_lengths = even_lengths  # the index's stored even sample of lengths (`SampleIndex.even_lengths`)
-        self.index_path = None if index_path is None else Path(index_path)
+        self.index_path = None if index_path is None else Path(index_path)  # where epochs written ahead are found
         self._describe = describe or (lambda position: f"position {position}")
         self._equal_windows = bool(
             self.bucketing and self.bucketing.mode == "budget" and config.shuffle != "shard_block"
@@ -185,13 +183,6 @@ class Plan:
             even_lengths=self._even_lengths,
             index_path=self.index_path,
         )
-
-    @cached_property
-    def planned(self) -> PlannedEpochs | None:
-        """This plan's epochs written ahead under its index (`write_planned_epochs`), or None."""
-        from ._planned import PlannedEpochs  # it builds on the plan
-
-        return None if self.index_path is None else PlannedEpochs.find(self.index_path, self)
 
     @property
     def budget(self) -> float | None:

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -222,7 +223,11 @@ class PlannedEpochs:
         if _plannable(plan) is not None:
             return None
         root = plans_directory(index_path, plan)
-        return cls(root, plan) if root.is_dir() else None
+        if not root.is_dir():
+            return None
+        written = sorted(int(p.name.split("-")[1]) for p in root.glob("epoch-*") if p.name.split("-")[1].isdigit())
+        logger.info("%s: epochs %s of this budget written ahead: dealt by look-up", root, written)
+        return cls(root, plan)
 
     def epoch(self, epoch: int) -> PlannedEpoch | None:
         """Planned epoch ``epoch``, or None (not written, or its files do not check out: then logged once)."""
@@ -233,6 +238,13 @@ class PlannedEpochs:
     def _open(self, epoch: int) -> PlannedEpoch | None:
         folder = self.root / f"epoch-{epoch}"
         if not folder.is_dir():
+            logger.warning(
+                "%s: epoch %d of this budget was not written ahead: it is planned live, every node planning the "
+                "world's steps; write it with `omnifeed plan INDEX ... --write-epochs N --epoch %d`",
+                self.root,
+                epoch,
+                epoch,
+            )
             return None
         try:
             header = json.loads((folder / _HEADER).read_text(encoding="utf-8"))
@@ -255,3 +267,13 @@ class PlannedEpochs:
                 exc,
             )
             return None
+
+
+_FOUND: weakref.WeakKeyDictionary[Plan, PlannedEpochs | None] = weakref.WeakKeyDictionary()
+
+
+def planned_epochs(plan: Plan) -> PlannedEpochs | None:
+    """``plan``'s epochs written ahead under its index (`write_planned_epochs`), or None; looked up once per plan."""
+    if plan not in _FOUND:
+        _FOUND[plan] = None if plan.index_path is None else PlannedEpochs.find(plan.index_path, plan)
+    return _FOUND[plan]

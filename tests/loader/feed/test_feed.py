@@ -273,7 +273,7 @@ def test_a_budget_s_epoch_written_ahead_feeds_the_same_batches_and_length(
     """`omnifeed plan --write-epochs` beside a feed's index: the feed deals from the files (nothing planned), its
     batches and `len` are those of planning live, and an audit log of the epoch verifies exactly once."""
     from omnifeed.bucketing import BucketingConfig
-    from omnifeed.loader.plan import write_planned_epochs
+    from omnifeed.loader.plan import planned_epochs, write_planned_epochs
 
     build_index([str(p) for p in demo_shards], tmp_path / "index", IndexConfig(workers=1), progress=False)
     index = SampleIndex(tmp_path / "index")
@@ -283,7 +283,7 @@ def test_a_budget_s_epoch_written_ahead_feeds_the_same_batches_and_length(
     write_planned_epochs(Plan.from_index(index, budget.plan), index.path, range(4))  # the read-ahead goes on
     log = tmp_path / "written.jsonl"
     with Feed(index, budget, world_size=2, rank=0, audit_log=log) as feed:
-        assert feed.plan.planned is not None and len(feed) == live_length
+        assert planned_epochs(feed.plan) is not None and len(feed) == live_length
         assert [b["__key__"] for b in feed] == live_keys
         assert feed.plan.work == 0
     with Feed(index, budget, world_size=2, rank=1, audit_log=log) as other:

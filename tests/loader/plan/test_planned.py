@@ -23,6 +23,7 @@ from omnifeed.loader.plan import (
     PlanConfig,
     PlanCursor,
     PlannedEpochs,
+    planned_epochs,
     steps_left_in_epoch,
     write_planned_epochs,
 )
@@ -118,8 +119,9 @@ def test_written_epochs_deal_what_live_planning_deals(
 def test_on_written_epochs_nothing_is_planned_at_any_world_size(tmp_path: Path) -> None:
     """Steps, a resize to a world whose step is half an epoch, a resume and `len`: look-ups (no stream evaluated)."""
     _, plan = _plans(6000, _budget(600, 8000.0), tmp_path, range(0, 3))
-    assert plan.planned is not None
-    written = plan.planned.epoch(0)
+    found = planned_epochs(plan)
+    assert found is not None
+    written = found.epoch(0)
     assert written is not None
     world = written.size // 4
     cursor = PlanCursor(plan, world_size=64, grad_accum=2)
@@ -136,12 +138,17 @@ def test_on_written_epochs_nothing_is_planned_at_any_world_size(tmp_path: Path) 
     assert plan.work == 0
 
 
-def test_epochs_past_the_written_ones_are_planned_live(tmp_path: Path) -> None:
+def test_epochs_past_the_written_ones_are_planned_live_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     live_plan, plan = _plans(600, _budget(150, 8000.0), tmp_path, range(0, 1))
     live, cursor = PlanCursor(live_plan, world_size=3), PlanCursor(plan, world_size=3)
-    while cursor.epoch < 2:
-        assert _view(cursor.next_step().micro_batches) == _view(live.next_step().micro_batches)
+    with caplog.at_level(logging.INFO):
+        while cursor.epoch < 2:
+            assert _view(cursor.next_step().micro_batches) == _view(live.next_step().micro_batches)
     assert plan.work > 0 and cursor.state_dict() == live.state_dict()
+    assert "epochs [0] of this budget written ahead" in caplog.text
+    assert caplog.text.count("epoch 1 of this budget was not written ahead") == 1 and "--epoch 1" in caplog.text
 
 
 def _damage_costs(folder: Path) -> None:
@@ -204,9 +211,9 @@ def test_only_a_budget_s_epochs_without_a_mixture_are_written(tmp_path: Path) ->
 
 def test_another_config_finds_no_written_epochs(tmp_path: Path) -> None:
     _, plan = _plans(300, _budget(100, 8000.0), tmp_path, range(0, 1))
-    assert plan.planned is not None and plan.planned.epoch(0) is not None
+    assert planned_epochs(plan) is not None and planned_epochs(plan).epoch(0) is not None
     other = plan.with_config(_budget(100, 9000.0))
-    assert other.planned is None
+    assert planned_epochs(other) is None
 
 
 def test_a_plan_that_fails_leaves_no_epoch_behind(tmp_path: Path) -> None:
