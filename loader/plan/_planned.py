@@ -17,6 +17,7 @@ history) or files that do not check out are planned live, with the same result.
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -60,26 +61,34 @@ def _plannable(plan: Plan) -> str | None:
 
 
 class _AppendedArray:
-    """A one-dimensional array written piece by piece to a raw file, saved as ``.npy`` when complete (the memory
-    of writing an epoch is a window's, whatever the epoch's size)."""
+    """A one-dimensional ``.npy`` file written piece by piece (the memory of writing an epoch is a window's, whatever
+    the epoch's size): its header, whose length does not depend on the count, is written again at the end."""
 
     def __init__(self, path: Path, dtype: type) -> None:
         self.path, self.dtype, self.count = path, np.dtype(dtype), 0
-        self._raw_path = path.with_suffix(".raw")
-        self._raw = open(self._raw_path, "wb")  # noqa: SIM115 (closed by save)
+        self._file = open(path, "wb")  # noqa: SIM115 (closed by save)
+        self._header = self._header_for(0)
+        self._file.write(self._header)
+
+    def _header_for(self, count: int) -> bytes:
+        out = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            out, {"descr": np.lib.format.dtype_to_descr(self.dtype), "fortran_order": False, "shape": (count,)}
+        )
+        return out.getvalue()
 
     def add(self, values: Any) -> None:
         array = np.ascontiguousarray(values, dtype=self.dtype)
-        array.tofile(self._raw)
+        array.tofile(self._file)
         self.count += len(array)
 
     def save(self) -> int:
-        self._raw.close()
-        if self.count:
-            np.save(self.path, np.memmap(self._raw_path, dtype=self.dtype, mode="r", shape=(self.count,)))
-        else:
-            np.save(self.path, np.empty(0, dtype=self.dtype))
-        self._raw_path.unlink()
+        header = self._header_for(self.count)
+        if len(header) != len(self._header):  # numpy leaves room for the count to grow; never seen otherwise
+            raise RuntimeError(f"{self.path}: the .npy header changed length ({len(self._header)} -> {len(header)})")
+        self._file.seek(0)
+        self._file.write(header)
+        self._file.close()
         return self.count
 
 
