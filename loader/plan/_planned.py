@@ -4,10 +4,11 @@ A budget's micro-batches are known only by planning their windows, and a step of
 spans whole windows (65,536 micro-batches at dp 4,096 × accum 16): dealing it live costs every
 node a plan of the world's step. Planned ahead (``omnifeed plan INDEX --budget B --write-epochs N``,
 a pre-caching job like the index build), an epoch is a few memory-mapped arrays: every micro-batch's
-sample positions and cost, the window it belongs to, and each window's start and the ids carried
-into it. The cursor then finds the micro-batches a rank asks for, and its own state after a step, by
-number, at any world size: what live planning deals, micro-batch for micro-batch and state for state
-(`tests/loader/plan/test_planned.py`), for a few look-ups.
+sample positions and cost, and each window's start, first micro-batch and the ids carried into it
+(a micro-batch's window is found from the firsts). The cursor then finds the micro-batches a rank
+asks for, and its own state after a step, by number, at any world size: what live planning deals,
+micro-batch for micro-batch and state for state (`tests/loader/plan/test_planned.py`), for a few
+look-ups.
 
 The files are derived, like the index's ``lengths.npy``: written under the index
 (``plans/<config fingerprint>/epoch-<n>/``) and used only where they hold. An epoch not written, a
@@ -36,10 +37,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PLANNED_FORMAT = "omnifeed.planned-epoch/1"
+PLANNED_FORMAT = "omnifeed.planned-epoch/2"  # /2: no windows.npy (each micro-batch's window is the table's)
 PLANS_DIR = "plans"
 _HEADER = "epoch.json"
-_ARRAYS = ("positions", "bounds", "costs", "windows", "window_table", "carried", "carried_bounds")
+_ARRAYS = ("positions", "bounds", "costs", "window_table", "carried", "carried_bounds")
 
 CursorState = tuple[int, int, int, int, int, np.ndarray]
 """The cursor's place before a micro-batch: (epoch, window, window start, offset, micro-batch, carried ids)."""
@@ -98,7 +99,6 @@ def _write_epoch(plan: Plan, epoch: int, folder: Path) -> tuple[int, int, int]:
     positions = _AppendedArray(folder / "positions.npy", np.int64)
     bounds = _AppendedArray(folder / "bounds.npy", np.int64)
     costs = _AppendedArray(folder / "costs.npy", np.float64)
-    windows = _AppendedArray(folder / "windows.npy", np.int64)
     table: list[tuple[int, int, int]] = []
     carries: list[np.ndarray] = []
     bounds.add([0])
@@ -112,14 +112,13 @@ def _write_epoch(plan: Plan, epoch: int, folder: Path) -> tuple[int, int, int]:
         bounds.add(samples + np.cumsum(sizes))
         samples += int(sizes.sum())
         costs.add(np.fromiter((mb.cost for mb in batches), dtype=np.float64, count=len(batches)))
-        windows.add(np.full(len(batches), window, dtype=np.int64))
         table.append((start, first, len(batches)))
         carries.append(np.asarray(carried, dtype=np.int64))
         first += len(batches)
         if planned.last:
             break
         window, start, carried = window + 1, planned.next_start, planned.carry
-    for appended in (positions, bounds, costs, windows):
+    for appended in (positions, bounds, costs):
         appended.save()
     np.save(folder / "window_table.npy", np.asarray(table, dtype=np.int64).reshape(-1, 3))
     np.save(folder / "carried.npy", np.concatenate(carries))
@@ -177,13 +176,12 @@ class PlannedEpoch:
         self.epoch, self.size = int(header["epoch"]), int(header["micro_batches"])
         arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
         self.positions, self.bounds, self.costs = arrays["positions"], arrays["bounds"], arrays["costs"]
-        self.windows, self.table = arrays["windows"], arrays["window_table"]
+        self.table = np.array(arrays["window_table"])  # a row a window: small, and searched on every look-up
         self.carried, self.carried_bounds = arrays["carried"], arrays["carried_bounds"]
         windows = int(header["windows"])
         if (
             self.bounds.shape != (self.size + 1,)
             or self.costs.shape != (self.size,)
-            or self.windows.shape != (self.size,)
             or self.table.shape != (windows, 3)
             or self.carried_bounds.shape != (windows + 1,)
             or int(self.bounds[-1]) != len(self.positions)
@@ -191,12 +189,16 @@ class PlannedEpoch:
             or int(self.carried_bounds[-1]) != len(self.carried)
         ):
             raise ValueError("its arrays do not agree with its header")
+        self._firsts = self.table[:, 1]  # each window's first micro-batch: where a micro-batch's window is found
 
     def micro_batch(self, g: int) -> MicroBatch:
         positions = np.array(self.positions[self.bounds[g] : self.bounds[g + 1]])
-        return MicroBatch(
-            self.epoch, g, int(self.windows[g]), positions, float(self.costs[g]), None, g == self.size - 1
-        )
+        return MicroBatch(self.epoch, g, self._window_of(g), positions, float(self.costs[g]), None, g == self.size - 1)
+
+    def _window_of(self, g: int) -> int:
+        """The window micro-batch ``g`` belongs to: the last whose first micro-batch is at or before it (a window that
+        deals nothing shares its first with the next one, so it is never the last such)."""
+        return int(np.searchsorted(self._firsts, g, side="right")) - 1
 
     def _window(self, window: int) -> tuple[int, int, int, np.ndarray]:
         start, first, count = (int(v) for v in self.table[window])
@@ -210,7 +212,7 @@ class PlannedEpoch:
             return self.epoch + 1, 0, 0, 0, 0, _NOTHING
         if g == 0:
             return self.epoch, 0, 0, 0, 0, _NOTHING
-        window = int(self.windows[g - 1])
+        window = self._window_of(g - 1)
         start, first, count, carried = self._window(window)
         if g - first < count:
             return self.epoch, window, start, g - first, g, carried
