@@ -7,7 +7,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-FEED_PATHS: tuple[tuple[str, ...], ...] = (("cache", "nvme", "path"), ("plan", "mixture", "sources", "*", "index"))
+FEED_PATHS: tuple[tuple[str, ...], ...] = (
+    ("cache", "nvme", "path"),
+    ("plan", "mixture", "sources", "*", "index"),
+    ("plan", "mixture", "plans"),
+)
 """The path-valued settings of a feed config (key paths into its YAML mapping)."""
 
 SERVICE_PATHS: tuple[tuple[str, ...], ...] = (

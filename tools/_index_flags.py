@@ -211,7 +211,8 @@ def add_index_commands(
         "--write-epochs",
         type=int,
         metavar="N",
-        help="with --budget: plan N epochs (from --epoch, default 0) once and write them under INDEX_DIR/plans/, "
-        "so that every rank deals a step by look-up instead of planning the world's windows (thousands of ranks)",
+        help="with --budget: plan N epochs (from --epoch, default 0; with --resume, from the state's next whole "
+        "epoch) once and write them under INDEX_DIR/plans/ (a mixture: into its config's plan.mixture.plans), so "
+        "that every rank deals a step by look-up instead of planning the world's windows (thousands of ranks)",
     )
     plan.set_defaults(run=runs("._plan_cmd", "run_plan"))

@@ -29,15 +29,20 @@ _STATE_FILE_KEYS = ("plan", "state")
 
 
 def _plan_section(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``plan`` section of ``--config``, a mixture's index paths made absolute beside the file."""
+    """The ``plan`` section of ``--config``, a mixture's paths (its indexes, its ``plans``) made absolute beside the
+    file."""
     section = _section(args.config, "plan")
-    sources = (section.get("mixture") or {}).get("sources") if isinstance(section.get("mixture"), dict) else None
+    mixture = section.get("mixture")
+    if not isinstance(mixture, dict):
+        return section
     folder = Path(args.config).resolve().parent if args.config else Path()
-    for source in (sources or {}).values() if isinstance(sources, dict) else ():
-        path = source.get("index") if isinstance(source, dict) else None
+    sources = mixture.get("sources")
+    holders = [(s, "index") for s in sources.values() if isinstance(s, dict)] if isinstance(sources, dict) else []
+    for holder, key in [*holders, (mixture, "plans")]:
+        path = holder.get(key)
         if isinstance(path, str) and "://" not in path:
             expanded = Path(path).expanduser()
-            source["index"] = str(expanded if expanded.is_absolute() else folder / expanded)
+            holder[key] = str(expanded if expanded.is_absolute() else folder / expanded)
     return section
 
 
@@ -80,7 +85,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return _suggest(args, index, saved)
     plan = Plan.from_index(index, _plan_config(args, saved["plan"] if saved else None))
     if args.write_epochs is not None:
-        return _write_epochs(args, plan)
+        return _write_epochs(args, plan, saved["state"] if saved else None)
     if args.world_size is None:
         args.parser.error("give --world-size: the data-parallel ranks sharing each step")
     if plan.dropped_per_epoch:
@@ -116,19 +121,31 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_epochs(args: argparse.Namespace, plan: Plan) -> int:
-    """`--write-epochs N`: plan N epochs once and write them under the index; one JSON line per epoch."""
+def _write_epochs(args: argparse.Namespace, plan: Plan, state: dict[str, Any] | None) -> int:
+    """`--write-epochs N`: plan N epochs once and write them under the index (a mixture: into its ``plans``
+    folder); one JSON line per epoch. With ``--resume``, from the state's schedule (a mixture changed since), from
+    its next whole epoch on."""
     if args.write_epochs < 1:
         raise ValueError(f"--write-epochs takes a number of epochs, 1 or more; got {args.write_epochs}")
-    if plan.index_path is None:
-        raise ValueError("--write-epochs writes under one index (INDEX_DIR); a mixture's epochs are not planned ahead")
+    if plan.mixture is not None and (plan.config.mixture is None or plan.config.mixture.plans is None):
+        raise ValueError(
+            f"{args.config or args.resume}: set plan.mixture.plans to a folder (relative to the config file) to "
+            "write this mixture's epochs ahead into"
+        )
     first = args.epoch or 0
+    if state is not None:
+        cursor = PlanCursor(plan, world_size=int(state["world_size"]), grad_accum=int(state["grad_accum"]))
+        cursor.load_state_dict(state, allow_mixture_change=args.allow_mixture_change)
+        whole = cursor.epoch + (1 if cursor.micro_batch else 0)  # the state's epoch is written whole or not at all
+        if args.epoch is not None and args.epoch < whole:
+            raise ValueError(f"--resume's state is within epoch {cursor.epoch}: write from --epoch {whole} on")
+        first = whole if args.epoch is None else args.epoch
 
     def written(epoch: int, micro_batches: int) -> None:
         sys.stdout.write(json.dumps({"epoch": epoch, "micro_batches": micro_batches}) + "\n")
         sys.stdout.flush()
 
-    root = write_planned_epochs(plan, plan.index_path, range(first, first + args.write_epochs), written)
+    root = write_planned_epochs(plan, None, range(first, first + args.write_epochs), written)
     logging.info("planned epochs written to %s", root)
     return 0
 

@@ -36,7 +36,9 @@ def run_serve(args: argparse.Namespace) -> int:
     metrics = (
         f", metrics at http://{config.metrics_host}:{service.metrics_port}/metrics" if service.metrics_port else ""
     )
-    print(f"omnifeed: serving {config.index} at {config.socket}{metrics}", flush=True)
+    mixture = config.feed.plan.mixture
+    served = config.index if mixture is None else f"the mixture of {', '.join(mixture.sources)}"
+    print(f"omnifeed: serving {served} at {config.socket}{metrics}", flush=True)
     ram = config.feed.cache.ram
     if ram is not None:  # it outlives the service by design (a warm restart): say where it is and how it goes
         print(

@@ -95,6 +95,7 @@ class PlanCursor:
         self.budget = self.next_budget = plan.budget
         self._current: WindowPlan | None = None
         self._form = FixedBatchForm(plan) if plan.bucketing is None else None  # fixed batches: no window planned
+        self._schedule_checked: tuple[tuple[Any, ...], bool] | None = None  # `_on_schedule`'s last answer
 
     def epoch_delivered(self, epoch: int) -> bool:
         """True once every micro-batch of ``epoch`` has been dealt."""
@@ -189,7 +190,24 @@ class PlanCursor:
             self.micro_batch,
         ) or not np.array_equal(carried, self.carried):
             return None  # a state of another history (a budget changed and back): planned live
+        if planned.schedule is not None and not self._on_schedule(planned):
+            return None  # a mixture under other weights (changed, or resumed from another history): planned live
         return planned
+
+    def _on_schedule(self, planned: PlannedEpoch) -> bool:
+        """Whether the mixture's schedule is the one the epoch was written under: its position at the window in
+        progress is the one recorded there (which, with the schedule's fingerprint, fixes every later one)."""
+        mixture = self.plan.mixture
+        assert mixture is not None and planned.schedule is not None
+        # the schedule changes only when a state is loaded (`MixtureStream.resume`): checked once per window
+        key = (planned, self.window, mixture.schedule, mixture.change_at)
+        if self._schedule_checked is None or self._schedule_checked[0] != key:
+            try:
+                same = mixture.state(self.epoch, self.window_start) == planned.schedule[self.window]
+            except ValueError:  # the schedule answers from a later sample on: not the files' path
+                same = False
+            self._schedule_checked = (key, same)
+        return self._schedule_checked[1]
 
     def _window_plan(self) -> WindowPlan:
         if self._current is None:
@@ -347,12 +365,16 @@ def change_mixture(state: Mapping[str, Any], plan: Plan) -> dict[str, Any]:
 
 
 def _carried(value: Any, plan: Plan) -> np.ndarray:
-    """The state's carried positions, checked: distinct positions of this index, no more than the plan carries."""
+    """The state's carried positions, checked: positions of this index (distinct, but in a mixture), no more than
+    the plan carries."""
     if not isinstance(value, list) or not all(isinstance(p, int) and not isinstance(p, bool) for p in value):
         raise ValueError(f"plan state carried must be a list of sample positions, got {str(value)[:80]}")
     if len(value) > plan.carry_limit:
         raise ValueError(f"plan state carries {len(value)} samples; this plan carries at most {plan.carry_limit}")
-    if len(set(value)) != len(value) or any(not 0 <= p < plan.num_samples for p in value):
+    # a mixture's positions are its index's (all sources'), and a source passed more than once in a window repeats
+    bound = plan.mixture.total_samples if plan.mixture is not None else plan.num_samples
+    repeats = plan.mixture is None and len(set(value)) != len(value)
+    if repeats or any(not 0 <= p < bound for p in value):
         raise ValueError(
             "plan state carried holds repeated positions or positions outside this index; was it edited by hand?"
         )

@@ -11,6 +11,7 @@
         phases:                                  # optional: weights from a number of mixed samples on
           - {until_samples: 200000, weights: {photos: 0.6, docs: 0.4}}
           - {weights: {photos: 0.2, docs: 0.8}}  # annealing, to the end
+        plans: mixture-plans                     # optional: its epochs written ahead (`plan --write-epochs`)
 
 A source's ``weight`` is its share of the mixed stream; ``repeat`` (instead of weights, on every
 source) is MosaicML Streaming's: passes over the source per mixture epoch, the shares following
@@ -65,6 +66,12 @@ class MixtureConfig(StrictModel):
         description="Deal a window's micro-batches interleaved across sources by progress: every run of 1,000 "
         "micro-batches holds each source at its weight (measured within 0.3 points), at some cost to step balance "
         "at a window's end. False: in cost tiers only (steps as even as one index's; shares hold per window).",
+    )
+    plans: str | None = Field(
+        default=None,
+        description="Folder for this mixture's epochs written ahead (`omnifeed plan --config FILE --budget B "
+        "--write-epochs N`), as an index keeps its own in INDEX/plans/; relative to the config file. None: a budgeted "
+        "mixture is planned live, every node planning the world's windows.",
     )
 
     @model_validator(mode="after")

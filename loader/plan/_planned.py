@@ -11,9 +11,12 @@ micro-batch for micro-batch and state for state (`tests/loader/plan/test_planned
 look-ups.
 
 The files are derived, like the index's ``lengths.npy``: written under the index
-(``plans/<config fingerprint>/epoch-<n>/``) and used only where they hold. An epoch not written, a
-budget changed by memory feedback, a cursor off the files' path (a state saved under another budget
-history) or files that do not check out are planned live, with the same result.
+(``plans/<config fingerprint>/epoch-<n>/``), or for a mixture in the folder its config names
+(``plan.mixture.plans``: ``<config fingerprint>-<schedule fingerprint>/epoch-<n>/``, each window's
+schedule position recorded beside), and used only where they hold. An epoch not written, a budget
+changed by memory feedback, a cursor off the files' path (a state saved under another budget history,
+a mixture changed or resumed under other weights) or files that do not check out are planned live,
+with the same result.
 """
 
 from __future__ import annotations
@@ -41,14 +44,22 @@ PLANNED_FORMAT = "omnifeed.planned-epoch/2"  # /2: no windows.npy (each micro-ba
 PLANS_DIR = "plans"
 _HEADER = "epoch.json"
 _ARRAYS = ("positions", "bounds", "costs", "window_table", "carried", "carried_bounds")
+_MIXTURE = "mixture.json"  # a mixture's: each window's schedule position (`MixtureStream.state` at its start)
 
 CursorState = tuple[int, int, int, int, int, np.ndarray]
 """The cursor's place before a micro-batch: (epoch, window, window start, offset, micro-batch, carried ids)."""
 
 
-def plans_directory(index_path: str | Path, plan: Plan) -> Path:
-    """Where ``plan``'s planned epochs live under the index at ``index_path``."""
-    return Path(index_path) / PLANS_DIR / plan.config_fingerprint
+def plans_directory(folder: str | Path | None, plan: Plan) -> Path | None:
+    """Where ``plan``'s planned epochs live: under the index at ``folder`` (its ``plans/``), or for a mixture in
+    ``folder`` itself; ``folder`` None: the plan's own (its index's, or its mixture's ``plans``). None: nowhere (a
+    mixture whose config names no ``plans`` folder, a plan of no index)."""
+    mixture = plan.mixture
+    if mixture is not None:
+        named = folder if folder is not None else (plan.config.mixture.plans if plan.config.mixture else None)
+        return None if named is None else Path(named) / f"{plan.config_fingerprint}-{mixture.fingerprint}"
+    index = folder if folder is not None else plan.index_path
+    return None if index is None else Path(index) / PLANS_DIR / plan.config_fingerprint
 
 
 def _plannable(plan: Plan) -> str | None:
@@ -56,8 +67,6 @@ def _plannable(plan: Plan) -> str | None:
     bucketing = plan.bucketing
     if bucketing is None or bucketing.mode != "budget":
         return "only a cost budget's epochs are planned ahead (fixed-size batches are dealt in closed form already)"
-    if plan.mixture is not None:
-        return "a mixture's epochs are not planned ahead (their weights can change mid-run): drop --write-epochs"
     return None
 
 
@@ -101,9 +110,12 @@ def _write_epoch(plan: Plan, epoch: int, folder: Path) -> tuple[int, int, int]:
     costs = _AppendedArray(folder / "costs.npy", np.float64)
     table: list[tuple[int, int, int]] = []
     carries: list[np.ndarray] = []
+    schedule: list[dict[str, Any]] = []  # a mixture's position at each window's start
     bounds.add([0])
     window, start, carried, first, samples = 0, 0, _NOTHING, 0, 0
     while True:
+        if plan.mixture is not None:
+            schedule.append(plan.mixture.state(epoch, start))
         planned = plan.window(epoch, window, start, budget=plan.budget, first_index=first, carried=carried)
         batches = planned.micro_batches
         if batches:
@@ -123,22 +135,37 @@ def _write_epoch(plan: Plan, epoch: int, folder: Path) -> tuple[int, int, int]:
     np.save(folder / "window_table.npy", np.asarray(table, dtype=np.int64).reshape(-1, 3))
     np.save(folder / "carried.npy", np.concatenate(carries))
     np.save(folder / "carried_bounds.npy", np.concatenate([[0], np.cumsum([len(c) for c in carries])]).astype(np.int64))
+    if plan.mixture is not None:
+        (folder / _MIXTURE).write_text(json.dumps(schedule) + "\n", encoding="utf-8")
     return first, len(table), samples
 
 
 def write_planned_epochs(
-    plan: Plan, index_path: str | Path, epochs: range, progress: Callable[[int, int], None] | None = None
+    plan: Plan,
+    folder: str | Path | None,
+    epochs: range,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Plan ``epochs`` of ``plan`` and write them under the index at ``index_path`` (its ``plans/`` folder).
+    """Plan ``epochs`` of ``plan`` and write them under the index at ``folder`` (its ``plans/`` folder), or for a
+    mixture into ``folder``; None: the plan's own (its index's, or its mixture config's ``plans``).
 
     Each epoch is written to a temporary folder and renamed into place, so a reader sees it whole or
-    not at all; an epoch already there is replaced. ``progress(epoch, micro_batches)`` after each.
-    Raises ValueError for a plan whose epochs are not planned ahead (fixed-size batches, packing, a mixture).
+    not at all; an epoch already there is replaced. ``progress(epoch, micro_batches)`` after each. A
+    mixture's epochs follow its schedule as it stands (a cursor that resumed a changed mixture moved it).
+    Raises ValueError for a plan whose epochs are not planned ahead (fixed-size batches, packing) or that
+    has nowhere to write them.
     """
     why = _plannable(plan)
     if why is not None:
         raise ValueError(why)
-    root = plans_directory(index_path, plan)
+    root = plans_directory(folder, plan)
+    if root is None:
+        raise ValueError(
+            "a mixture's epochs are written into the folder its config names: set plan.mixture.plans "
+            "(relative to the config file)"
+            if plan.mixture is not None
+            else "no index to write the planned epochs under: give the index's folder"
+        )
     root.mkdir(parents=True, exist_ok=True)
     for epoch in epochs:
         staging = root / f".epoch-{epoch}.{os.getpid()}.tmp"
@@ -154,6 +181,7 @@ def write_planned_epochs(
             "index_fingerprint": plan.index_fingerprint,
             "config_fingerprint": plan.config_fingerprint,
             "budget": plan.budget,
+            "schedule": plan.mixture.fingerprint if plan.mixture is not None else None,
             "epoch": epoch,
             "micro_batches": micro_batches,
             "windows": windows,
@@ -190,6 +218,11 @@ class PlannedEpoch:
         ):
             raise ValueError("its arrays do not agree with its header")
         self._firsts = self.table[:, 1]  # each window's first micro-batch: where a micro-batch's window is found
+        self.schedule: list[dict[str, Any]] | None = None  # a mixture's position at each window's start
+        if header.get("schedule") is not None:
+            self.schedule = json.loads((folder / _MIXTURE).read_text(encoding="utf-8"))
+            if not isinstance(self.schedule, list) or len(self.schedule) != windows:
+                raise ValueError(f"its {_MIXTURE} does not hold one schedule position per window")
 
     def micro_batch(self, g: int) -> MicroBatch:
         positions = np.array(self.positions[self.bounds[g] : self.bounds[g + 1]])
@@ -229,12 +262,12 @@ class PlannedEpochs:
         self._epochs: dict[int, PlannedEpoch | None] = {}
 
     @classmethod
-    def find(cls, index_path: str | Path, plan: Plan) -> PlannedEpochs | None:
-        """The planned epochs of ``plan`` under the index at ``index_path``, or None when none were written."""
+    def find(cls, folder: str | Path | None, plan: Plan) -> PlannedEpochs | None:
+        """The planned epochs of ``plan`` (where `plans_directory` says), or None when none were written."""
         if _plannable(plan) is not None:
             return None
-        root = plans_directory(index_path, plan)
-        if not root.is_dir():
+        root = plans_directory(folder, plan)
+        if root is None or not root.is_dir():
             return None
         written = sorted(int(p.name.split("-")[1]) for p in root.glob("epoch-*") if p.name.split("-")[1].isdigit())
         logger.info("%s: epochs %s of this budget written ahead: dealt by look-up", root, written)
@@ -251,9 +284,10 @@ class PlannedEpochs:
         if not folder.is_dir():
             logger.warning(
                 "%s: epoch %d of this budget was not written ahead: it is planned live, every node planning the "
-                "world's steps; write it with `omnifeed plan INDEX ... --write-epochs N --epoch %d`",
+                "world's steps; write it with `omnifeed plan %s ... --write-epochs N --epoch %d`",
                 self.root,
                 epoch,
+                _source(self.plan),
                 epoch,
             )
             return None
@@ -264,6 +298,7 @@ class PlannedEpochs:
                 "index_fingerprint": self.plan.index_fingerprint,
                 "config_fingerprint": self.plan.config_fingerprint,
                 "budget": self.plan.budget,
+                "schedule": self.plan.mixture.fingerprint if self.plan.mixture is not None else None,
                 "epoch": epoch,
             }
             wrong = sorted(k for k, v in expected.items() if header.get(k) != v)
@@ -273,18 +308,25 @@ class PlannedEpochs:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             logger.warning(
                 "%s: planned epoch not used (%s); it is planned live instead, the same micro-batches. Write it "
-                "again with `omnifeed plan INDEX ... --write-epochs`",
+                "again with `omnifeed plan %s ... --write-epochs`",
                 folder,
                 exc,
+                _source(self.plan),
             )
             return None
+
+
+def _source(plan: Plan) -> str:
+    """What ``omnifeed plan`` is given to plan ``plan``: its index, or the config naming its mixture."""
+    return "--config FILE" if plan.mixture is not None else "INDEX"
 
 
 _FOUND: weakref.WeakKeyDictionary[Plan, PlannedEpochs | None] = weakref.WeakKeyDictionary()
 
 
 def planned_epochs(plan: Plan) -> PlannedEpochs | None:
-    """``plan``'s epochs written ahead under its index (`write_planned_epochs`), or None; looked up once per plan."""
+    """``plan``'s epochs written ahead (`write_planned_epochs`: under its index, or its mixture's ``plans``), or None;
+    looked up once per plan."""
     if plan not in _FOUND:
-        _FOUND[plan] = None if plan.index_path is None else PlannedEpochs.find(plan.index_path, plan)
+        _FOUND[plan] = PlannedEpochs.find(None, plan)
     return _FOUND[plan]

@@ -144,3 +144,33 @@ def test_new_weights_on_resume_are_refused_in_one_line_unless_the_change_is_allo
         "plan", "--config", str(changed), "--world-size", "2", "--resume", str(state), "--allow-mixture-change"
     )
     assert allowed.stdout.count("\n") > 0
+
+
+def test_a_budgeted_mixture_s_epochs_written_ahead_beside_its_config_deal_the_same_and_resume_exactly_once(
+    config: Path, tmp_path: Path
+) -> None:
+    """`--write-epochs` with a mixture writes into `plan.mixture.plans` (relative to the config file); dealing from
+    the files prints what live planning printed; a state saved on them resumes at another world size exactly once;
+    without a `plans` folder, one line says what to set."""
+    budget = ["--budget", "60000", "--overlong", "alone"]
+    live = run("plan", "--config", str(config), "--world-size", "3", *budget).stdout
+    refused = run("plan", "--config", str(config), *budget, "--write-epochs", "1", check=False)
+    (line,) = refused.stderr.strip().splitlines()
+    assert refused.returncode == 1 and "set plan.mixture.plans" in line
+    data = yaml.safe_load(config.read_text())
+    data["plan"]["mixture"]["plans"] = "written-plans"
+    planned = config.with_name("mix-planned.yaml")
+    planned.write_text(yaml.safe_dump(data, sort_keys=False))
+    written = [
+        json.loads(x) for x in run("plan", "--config", str(planned), *budget, "--write-epochs", "2").stdout.splitlines()
+    ]
+    assert [w["epoch"] for w in written] == [0, 1]
+    assert len(list((config.parent / "written-plans").glob("*/epoch-*/mixture.json"))) == 2
+    assert run("plan", "--config", str(planned), "--world-size", "3", *budget).stdout == live
+    state = tmp_path / "state.json"
+    head = run(
+        "plan", "--config", str(planned), "--world-size", "3", *budget, "--steps", "2", "--save-state", str(state)
+    ).stdout
+    tail = run("plan", "--config", str(planned), "--world-size", "2", *budget, "--resume", str(state)).stdout
+    report = json.loads(run("verify", "--config", str(planned), "-", "--epoch", "0", stdin=head + tail).stdout)
+    assert report["ok"], report

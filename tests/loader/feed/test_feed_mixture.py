@@ -12,6 +12,7 @@ from feed_service import ServiceProcess, short_socket_dir
 
 from omnifeed.loader import DataLoader, Feed, FeedConfig, IndexConfig, build_index
 from omnifeed.loader.plan import read_delivery_logs, verify_mixture
+from omnifeed.loader.service import ServiceConfig
 from omnifeed.trainer_adapter import FeedClient
 
 MIXTURE = {
@@ -184,3 +185,39 @@ def test_through_the_service_new_weights_for_a_checkpoint_are_refused_unless_the
         mine = positions[source == s]
         expected = index.offsets[s] + plan.mixture.schedule._samples(np.full(mine.size, s), np.arange(mine.size))  # noqa: SLF001
         assert sorted(mine.tolist()) == sorted(expected.tolist())
+
+
+def test_a_budgeted_mixture_written_ahead_feeds_in_process_and_through_the_service_what_live_planning_does(
+    folder: Path,
+) -> None:
+    """`plan.mixture.plans` (relative to the config file) holds the mixture's epochs written ahead: the feed deals
+    from them (nothing planned), the service finds them from its own config, both the batches of planning live."""
+    from omnifeed.loader import Plan
+    from omnifeed.loader.plan import open_mixture, planned_epochs, write_planned_epochs
+
+    budget = {"budget": 3e4, "overlong": "alone"}
+    (folder / "live.yaml").write_text(yaml.safe_dump({"plan": {"seed": 4, "bucketing": budget, "mixture": MIXTURE}}))
+    live_config = FeedConfig.from_yaml(folder / "live.yaml")
+    written = {"seed": 4, "bucketing": budget, "mixture": {**MIXTURE, "plans": "written-plans"}}
+    (folder / "written.yaml").write_text(yaml.safe_dump({"plan": written}))
+    config = FeedConfig.from_yaml(folder / "written.yaml")
+    assert config.plan.mixture is not None and config.plan.mixture.plans == str(folder / "written-plans")
+    plan = Plan.from_index(open_mixture(config.plan.mixture), config.plan)
+    write_planned_epochs(plan, None, range(3))
+    with Feed(None, live_config, world_size=2, rank=1) as live:
+        expected = [b["__key__"] for b in live]
+    with Feed(None, config, world_size=2, rank=1) as feed:
+        assert planned_epochs(feed.plan) is not None
+        assert [b["__key__"] for b in feed] == expected and feed.plan.work == 0
+    socket = short_socket_dir() / "feed.sock"
+    path = folder / "written-service.yaml"
+    path.write_text(yaml.safe_dump({"socket": str(socket), "feed": {"plan": written}}))
+    service = ServiceProcess(path, socket).start()
+    try:
+        with FeedClient(str(socket), world_size=2, rank=1) as client:
+            got = [client.next_batch()["__key__"] for _ in range(len(expected))]
+    finally:
+        assert service.stop() == 0, service.output()
+    assert got == expected and "serving the mixture of table, tars" in service.output()  # as YAML sorted them
+    served = ServiceConfig.from_yaml(path).feed.plan.mixture
+    assert served is not None and served.plans == str(folder / "written-plans")

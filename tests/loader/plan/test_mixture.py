@@ -258,3 +258,23 @@ def test_a_weight_change_is_refused_unless_allowed_then_each_source_goes_on_from
     while not resumed.epoch_delivered(0):
         again.extend(mb for mb in resumed.next_step().micro_batches if mb.epoch == 0)
     assert [mb.positions.tolist() for mb in again] == [mb.positions.tolist() for mb in tail]
+
+
+def test_a_state_carrying_a_source_s_sample_twice_resumes() -> None:
+    """A small source passed twice within a window can carry the same sample twice into the next: its state
+    resumes (a mixture's carried ids are positions of all its sources, repeats allowed), dealing what went on."""
+    plan = mixture_plan([84, 126], [1.0, 1.0], "budget", 8000.0)
+    plan = plan.with_config(
+        plan.config.model_copy(
+            update={"window_size": 70, "bucketing": plan.config.bucketing.model_copy(update={"carry": 256})}
+        )
+    )
+    cursor, seen_repeat = PlanCursor(plan, world_size=5, grad_accum=2), False
+    for _ in range(12):
+        cursor.next_step()
+        state = json.loads(json.dumps(cursor.state_dict()))
+        seen_repeat |= len(set(state["carried"])) < len(state["carried"])
+        resumed = PlanCursor(plan.with_config(plan.config), world_size=5, grad_accum=2)
+        resumed.load_state_dict(state)
+        assert resumed.state_dict() == state
+    assert seen_repeat

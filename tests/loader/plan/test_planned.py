@@ -14,15 +14,18 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_mixture import synthetic_lengths as mixture_lengths
 from test_plan import FP, synthetic_lengths
 
 from omnifeed.bucketing import BucketingConfig
 from omnifeed.loader.plan import (
     MicroBatch,
+    MixtureConfig,
     Plan,
     PlanConfig,
     PlanCursor,
     PlannedEpochs,
+    mixture_stream,
     planned_epochs,
     steps_left_in_epoch,
     write_planned_epochs,
@@ -198,7 +201,7 @@ def test_a_state_of_another_budget_history_is_planned_live(tmp_path: Path) -> No
         assert cursor.state_dict() == live.state_dict()
 
 
-def test_only_a_budget_s_epochs_without_a_mixture_are_written(tmp_path: Path) -> None:
+def test_only_a_budget_s_epochs_are_written(tmp_path: Path) -> None:
     fixed = Plan(100, PlanConfig(batch_size=4), index_fingerprint=FP, index_path=tmp_path)
     with pytest.raises(ValueError, match="only a cost budget's epochs are planned ahead"):
         write_planned_epochs(fixed, tmp_path, range(1))
@@ -224,3 +227,134 @@ def test_a_plan_that_fails_leaves_no_epoch_behind(tmp_path: Path) -> None:
     with pytest.raises(OmnifeedError, match="over the micro-batch budget"):
         write_planned_epochs(plan, tmp_path, range(1))
     assert list(plans_directory(tmp_path, plan).iterdir()) == []
+
+
+def _mixture(
+    sizes: list[int], weights: list[float], config: PlanConfig, folder: Path | None, until: int | None = None
+) -> Plan:
+    """A budgeted mixture of ``sizes`` sources (captions, documents, speech) at ``weights``, its written epochs in
+    ``folder`` (None: none); ``until``: the weights hold until that mixed sample, then the sources' reversed."""
+    names = [f"s{i}" for i in range(len(sizes))]
+    phases = [] if until is None else [{"until_samples": until, "weights": dict(zip(names, weights))}]
+    mixture = MixtureConfig(
+        sources={n: {"index": n, "weight": w} for n, w in zip(names, weights[::-1] if until else weights)},
+        phases=phases,
+        plans=None if folder is None else str(folder),
+    )
+    columns = mixture_lengths(sizes, 5)
+    stream = mixture_stream(mixture, sizes, config.seed)
+    return Plan(
+        stream.num_samples,
+        config.model_copy(update={"mixture": mixture}),
+        index_fingerprint="synthetic",
+        lengths=lambda p: {k: v[p] for k, v in columns.items()},
+        mixture=stream,
+    )
+
+
+@settings(max_examples=15, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    sizes=st.lists(st.integers(60, 400), min_size=2, max_size=3),
+    weights=st.lists(st.sampled_from([0.1, 0.3, 0.5, 1.0]), min_size=3, max_size=3),
+    until=st.one_of(st.none(), st.integers(50, 900)),
+    window=st.integers(40, 300),
+    budget=st.sampled_from([8000.0, 20000.0]),
+    carry=st.sampled_from([0, 256]),
+    written=st.sampled_from([range(0, 2), range(1, 3)]),
+    topologies=_TOPOLOGIES,
+    resume_at=st.integers(0, 14),
+    change_at=st.one_of(st.none(), st.integers(1, 14)),
+    rewrite=st.booleans(),
+)
+def test_a_mixture_s_written_epochs_deal_what_live_planning_deals_through_a_weight_change(
+    tmp_path_factory: pytest.TempPathFactory,
+    sizes: list[int],
+    weights: list[float],
+    until: int | None,
+    window: int,
+    budget: float,
+    carry: int,
+    written: range,
+    topologies: list[tuple[int, int, int]],
+    resume_at: int,
+    change_at: int | None,
+    rewrite: bool,
+) -> None:
+    """Phases, resizes, resumes and a mid-run weight change (`allow_mixture_change`): the files are followed while
+    the schedule is theirs; after the change the new weights' epochs written from scratch are not (each source goes
+    on from its count), those written from the changed state (``rewrite``) are."""
+    folder = tmp_path_factory.mktemp("planned")
+    config = _budget(window, budget, carry)
+    weights = weights[: len(sizes)]
+    write_planned_epochs(_mixture(sizes, weights, config, folder, until), None, written)
+    live_plan, planned_plan = (
+        _mixture(sizes, weights, config, None, until),
+        _mixture(sizes, weights, config, folder, until),
+    )
+    live, planned = PlanCursor(live_plan), PlanCursor(planned_plan)
+    dealt = 0
+    for world_size, grad_accum, steps in topologies:
+        live.resize(world_size, grad_accum)
+        planned.resize(world_size, grad_accum)
+        for _ in range(steps):
+            expected, step = live.next_step(), planned.next_step()
+            assert _view(step.micro_batches) == _view(expected.micro_batches)
+            assert _view(step.for_rank(world_size - 1)) == _view(expected.for_rank(world_size - 1))
+            assert planned.state_dict() == live.state_dict()
+            dealt += 1
+            if dealt in (resume_at, change_at):
+                changed = dealt == change_at
+                others = weights[::-1] if changed else weights
+                state = planned.state_dict()
+                live = PlanCursor(
+                    _mixture(sizes, others, config, None, until), world_size=world_size, grad_accum=grad_accum
+                )
+                live.load_state_dict(state, allow_mixture_change=changed)
+                plan = _mixture(sizes, others, config, folder, until)
+                if changed:  # the new weights' epochs, from scratch or from the changed state
+                    writer = _mixture(sizes, others, config, folder, until)
+                    if rewrite:
+                        PlanCursor(writer).load_state_dict(state, allow_mixture_change=True)
+                    write_planned_epochs(writer, None, range(live.epoch + 1, live.epoch + 3) if rewrite else written)
+                planned = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
+                planned.load_state_dict(state, allow_mixture_change=changed)
+    assert steps_left_in_epoch(planned.plan, planned.state_dict()) == steps_left_in_epoch(live.plan, live.state_dict())
+
+
+def test_a_mixture_s_written_epochs_are_dealt_by_look_up_until_its_weights_change(tmp_path: Path) -> None:
+    """Nothing planned on the written epochs at any world size; a weight change goes live (the files are of the old
+    schedule), and the new weights' epochs written from the changed state are looked up again."""
+    sizes, weights, config = [900, 400, 300], [0.5, 0.3, 0.2], _budget(300, 8000.0)
+    write_planned_epochs(_mixture(sizes, weights, config, tmp_path), None, range(0, 3))
+    plan = _mixture(sizes, weights, config, tmp_path)
+    found = planned_epochs(plan)
+    assert found is not None and (epoch := found.epoch(0)) is not None and epoch.schedule is not None
+    cursor = PlanCursor(plan, world_size=epoch.size // 4, grad_accum=2)
+    cursor.next_step()
+    cursor.resize(3)
+    for _ in range(4):
+        cursor.next_step().for_rank(2)
+    assert plan.work == 0 and cursor.epoch == 0
+    state = cursor.state_dict()
+    other = _mixture(sizes, weights[::-1], config, tmp_path)
+    changed = PlanCursor(other, world_size=3)
+    changed.load_state_dict(state, allow_mixture_change=True)
+    while changed.epoch < 1:
+        changed.next_step()
+    assert other.work > 0  # the old weights' files do not hold; the new weights' are not written
+    writer = _mixture(sizes, weights[::-1], config, tmp_path)
+    PlanCursor(writer).load_state_dict(state, allow_mixture_change=True)
+    write_planned_epochs(writer, None, range(1, 2))
+    again = _mixture(sizes, weights[::-1], config, tmp_path)
+    resumed = PlanCursor(again, world_size=3)
+    resumed.load_state_dict(changed.state_dict())
+    while resumed.epoch < 2:
+        resumed.next_step()
+    assert again.work == 0
+
+
+def test_a_mixture_without_a_plans_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+    plan = _mixture([300, 200], [0.5, 0.5], _budget(100, 8000.0), None)
+    with pytest.raises(ValueError, match="set plan.mixture.plans"):
+        write_planned_epochs(plan, None, range(1))
+    assert planned_epochs(plan) is None
