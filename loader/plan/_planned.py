@@ -1,9 +1,9 @@
-"""`PlannedEpochs`: a cost budget's epochs planned once ahead of training, dealt by micro-batch number.
+"""`PlannedEpochs`: a cost budget's (or packing's) epochs planned once ahead of training, dealt by micro-batch number.
 
 A budget's micro-batches are known only by planning their windows, and a step of a large world
 spans whole windows (65,536 micro-batches at dp 4,096 × accum 16): dealing it live costs every
 node a plan of the world's step. Planned ahead (``omnifeed plan INDEX --budget B --write-epochs N``,
-a pre-caching job like the index build), an epoch is a few memory-mapped arrays: every micro-batch's
+a pre-caching job like the index build), an epoch is a few arrays, read by ranges: every micro-batch's
 sample positions and cost, and each window's start, first micro-batch and the ids carried into it
 (a micro-batch's window is found from the firsts). The cursor then finds the micro-batches a rank
 asks for, and its own state after a step, by number, at any world size: what live planning deals,
@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from omnifeed.bucketing import Pack, Segment
+
 from ._micro_batch import _NOTHING, MicroBatch
 
 if TYPE_CHECKING:
@@ -43,7 +45,7 @@ logger = logging.getLogger(__name__)
 PLANNED_FORMAT = "omnifeed.planned-epoch/2"  # /2: no windows.npy (each micro-batch's window is the table's)
 PLANS_DIR = "plans"
 _HEADER = "epoch.json"
-_ARRAYS = ("positions", "bounds", "costs", "window_table", "carried", "carried_bounds")
+_SEGMENTS = ("segment_starts", "segment_stops")  # packing's: each position's slice of its sample's sequence
 _MIXTURE = "mixture.json"  # a mixture's: each window's schedule position (`MixtureStream.state` at its start)
 
 CursorState = tuple[int, int, int, int, int, np.ndarray]
@@ -64,10 +66,16 @@ def plans_directory(folder: str | Path | None, plan: Plan) -> Path | None:
 
 def _plannable(plan: Plan) -> str | None:
     """Why ``plan``'s epochs cannot be written ahead (None: they can)."""
-    bucketing = plan.bucketing
-    if bucketing is None or bucketing.mode != "budget":
-        return "only a cost budget's epochs are planned ahead (fixed-size batches are dealt in closed form already)"
+    if plan.bucketing is None:
+        return (
+            "only a cost budget's or packing's epochs are planned ahead (fixed-size batches are dealt in closed form "
+            "already)"
+        )
     return None
+
+
+def _packing(plan: Plan) -> bool:
+    return plan.bucketing is not None and plan.bucketing.mode == "packing"
 
 
 class _AppendedArray:
@@ -108,6 +116,8 @@ def _write_epoch(plan: Plan, epoch: int, folder: Path) -> tuple[int, int, int]:
     positions = _AppendedArray(folder / "positions.npy", np.int64)
     bounds = _AppendedArray(folder / "bounds.npy", np.int64)
     costs = _AppendedArray(folder / "costs.npy", np.float64)
+    packed = _packing(plan)  # a pack's segments: each sample's slice of its sequence, beside its position
+    segments = [_AppendedArray(folder / f"{name}.npy", np.int64) for name in _SEGMENTS] if packed else []
     table: list[tuple[int, int, int]] = []
     carries: list[np.ndarray] = []
     schedule: list[dict[str, Any]] = []  # a mixture's position at each window's start
@@ -120,6 +130,10 @@ def _write_epoch(plan: Plan, epoch: int, folder: Path) -> tuple[int, int, int]:
         batches = planned.micro_batches
         if batches:
             positions.add(np.concatenate([mb.positions for mb in batches]))
+        if segments:
+            slices = [s for mb in batches if mb.pack is not None for s in mb.pack.segments]
+            segments[0].add(np.fromiter((s.start for s in slices), dtype=np.int64, count=len(slices)))
+            segments[1].add(np.fromiter((s.stop for s in slices), dtype=np.int64, count=len(slices)))
         sizes = np.fromiter((len(mb.positions) for mb in batches), dtype=np.int64, count=len(batches))
         bounds.add(samples + np.cumsum(sizes))
         samples += int(sizes.sum())
@@ -130,7 +144,7 @@ def _write_epoch(plan: Plan, epoch: int, folder: Path) -> tuple[int, int, int]:
         if planned.last:
             break
         window, start, carried = window + 1, planned.next_start, planned.carry
-    for appended in (positions, bounds, costs):
+    for appended in (positions, bounds, costs, *segments):
         appended.save()
     np.save(folder / "window_table.npy", np.asarray(table, dtype=np.int64).reshape(-1, 3))
     np.save(folder / "carried.npy", np.concatenate(carries))
@@ -152,8 +166,8 @@ def write_planned_epochs(
     Each epoch is written to a temporary folder and renamed into place, so a reader sees it whole or
     not at all; an epoch already there is replaced. ``progress(epoch, micro_batches)`` after each. A
     mixture's epochs follow its schedule as it stands (a cursor that resumed a changed mixture moved it).
-    Raises ValueError for a plan whose epochs are not planned ahead (fixed-size batches, packing) or that
-    has nowhere to write them.
+    Raises ValueError for a plan whose epochs are not planned ahead (fixed-size batches) or that has nowhere to
+    write them.
     """
     why = _plannable(plan)
     if why is not None:
@@ -182,6 +196,7 @@ def write_planned_epochs(
             "config_fingerprint": plan.config_fingerprint,
             "budget": plan.budget,
             "schedule": plan.mixture.fingerprint if plan.mixture is not None else None,
+            "packing": _packing(plan),
             "epoch": epoch,
             "micro_batches": micro_batches,
             "windows": windows,
@@ -197,27 +212,64 @@ def write_planned_epochs(
     return root
 
 
+class _ArrayFile:
+    """A one-dimensional ``.npy`` file read by ranges (``pread``), not mapped: a look-up costs a read of the bytes it
+    needs, and the process's resident memory holds none of the file (the kernel's page cache does, shared)."""
+
+    def __init__(self, path: Path) -> None:
+        with open(path, "rb") as f:
+            major, _ = np.lib.format.read_magic(f)
+            reader = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+            shape, fortran, dtype = reader(f)
+            self.offset = f.tell()
+        if len(shape) != 1 or fortran or dtype.hasobject:
+            raise ValueError(f"{path.name} is not a one-dimensional array")
+        self.dtype, self.length = dtype, int(shape[0])
+        self._fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self._fd)
+        if os.fstat(self._fd).st_size != self.offset + self.length * dtype.itemsize:
+            raise ValueError(f"{path.name} is not as long as its header says")
+
+    def __len__(self) -> int:
+        return self.length
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Elements ``[start, stop)``."""
+        size = self.dtype.itemsize
+        data = os.pread(self._fd, (stop - start) * size, self.offset + start * size)
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def at(self, i: int) -> Any:
+        """Element ``i``."""
+        return self.read(i, i + 1)[0]
+
+
 class PlannedEpoch:
-    """One planned epoch's arrays, memory-mapped."""
+    """One planned epoch: its window table in memory, the rest read by ranges where a look-up needs it."""
 
     def __init__(self, folder: Path, header: dict[str, Any]) -> None:
         self.epoch, self.size = int(header["epoch"]), int(header["micro_batches"])
-        arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r") for name in _ARRAYS}
-        self.positions, self.bounds, self.costs = arrays["positions"], arrays["bounds"], arrays["costs"]
-        self.table = np.array(arrays["window_table"])  # a row a window: small, and searched on every look-up
-        self.carried, self.carried_bounds = arrays["carried"], arrays["carried_bounds"]
+        self.positions, self.bounds = _ArrayFile(folder / "positions.npy"), _ArrayFile(folder / "bounds.npy")
+        self.costs, self.carried = _ArrayFile(folder / "costs.npy"), _ArrayFile(folder / "carried.npy")
+        self.table = np.load(folder / "window_table.npy")  # a row a window: small, and searched on every look-up
+        self.carried_bounds = np.load(folder / "carried_bounds.npy")
         windows = int(header["windows"])
         if (
-            self.bounds.shape != (self.size + 1,)
-            or self.costs.shape != (self.size,)
+            len(self.bounds) != self.size + 1
+            or len(self.costs) != self.size
             or self.table.shape != (windows, 3)
             or self.carried_bounds.shape != (windows + 1,)
-            or int(self.bounds[-1]) != len(self.positions)
+            or int(self.bounds.at(self.size)) != len(self.positions)
             or len(self.positions) != int(header["samples"])
             or int(self.carried_bounds[-1]) != len(self.carried)
         ):
             raise ValueError("its arrays do not agree with its header")
         self._firsts = self.table[:, 1]  # each window's first micro-batch: where a micro-batch's window is found
+        self.segments: list[_ArrayFile] | None = None  # packing's: each position's slice of its sequence
+        if header.get("packing"):
+            self.segments = [_ArrayFile(folder / f"{name}.npy") for name in _SEGMENTS]
+            if any(len(array) != len(self.positions) for array in self.segments):
+                raise ValueError("its segments do not agree with its positions")
         self.schedule: list[dict[str, Any]] | None = None  # a mixture's position at each window's start
         if header.get("schedule") is not None:
             self.schedule = json.loads((folder / _MIXTURE).read_text(encoding="utf-8"))
@@ -225,8 +277,14 @@ class PlannedEpoch:
                 raise ValueError(f"its {_MIXTURE} does not hold one schedule position per window")
 
     def micro_batch(self, g: int) -> MicroBatch:
-        positions = np.array(self.positions[self.bounds[g] : self.bounds[g + 1]])
-        return MicroBatch(self.epoch, g, self._window_of(g), positions, float(self.costs[g]), None, g == self.size - 1)
+        start, stop = (int(b) for b in self.bounds.read(g, g + 2))
+        positions = self.positions.read(start, stop).copy()
+        pack = None
+        if self.segments is not None:
+            starts, stops = (array.read(start, stop).tolist() for array in self.segments)
+            pack = Pack(tuple(Segment(p, a, b) for p, a, b in zip(positions.tolist(), starts, stops)))
+        window, last = self._window_of(g), g == self.size - 1
+        return MicroBatch(self.epoch, g, window, positions, float(self.costs.at(g)), pack, last)
 
     def _window_of(self, g: int) -> int:
         """The window micro-batch ``g`` belongs to: the last whose first micro-batch is at or before it (a window that
@@ -235,7 +293,7 @@ class PlannedEpoch:
 
     def _window(self, window: int) -> tuple[int, int, int, np.ndarray]:
         start, first, count = (int(v) for v in self.table[window])
-        carried = np.array(self.carried[self.carried_bounds[window] : self.carried_bounds[window + 1]])
+        carried = self.carried.read(int(self.carried_bounds[window]), int(self.carried_bounds[window + 1])).copy()
         return start, first, count, carried
 
     def state_before(self, g: int) -> CursorState:

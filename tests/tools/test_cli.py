@@ -447,8 +447,18 @@ def test_epochs_written_ahead_deal_the_same_and_resume_exactly_once(index_dir: P
     assert report["ok"], report
 
 
+def test_packing_written_ahead_deals_the_same_packs(index_dir: Path, tmp_path: Path) -> None:
+    index = tmp_path / "index"
+    shutil.copytree(index_dir, index)
+    packing = ["--seed", "2", "--budget", "64", "--packing", "--overlong", "split"]
+    live = run("plan", str(index), "--world-size", "2", *packing).stdout
+    run("plan", str(index), *packing, "--write-epochs", "1")
+    assert run("plan", str(index), "--world-size", "2", *packing).stdout == live
+    assert len(list((index / "plans").glob("*/epoch-0/segment_starts.npy"))) == 1
+
+
 def test_write_epochs_of_fixed_size_batches_is_refused_in_one_line(index_dir: Path) -> None:
     line = one_line_error(run("plan", str(index_dir), "--write-epochs", "1", check=False))
-    assert "only a cost budget's epochs are planned ahead" in line
+    assert "only a cost budget's or packing's epochs are planned ahead" in line
     result = run("plan", str(index_dir), "--budget", "60000", check=False)
     assert result.returncode == 2 and "give --world-size" in result.stderr

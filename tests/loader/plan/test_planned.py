@@ -167,11 +167,16 @@ def _missing_array(folder: Path) -> None:
     (folder / "bounds.npy").unlink()
 
 
+def _truncated_positions(folder: Path) -> None:
+    path = folder / "positions.npy"
+    path.write_bytes(path.read_bytes()[:-8])
+
+
 def _not_json(folder: Path) -> None:
     (folder / "epoch.json").write_text("{")
 
 
-@pytest.mark.parametrize("damage", [_damage_costs, _other_budget, _missing_array, _not_json])
+@pytest.mark.parametrize("damage", [_damage_costs, _other_budget, _missing_array, _truncated_positions, _not_json])
 def test_files_that_do_not_check_out_are_set_aside_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: Any
 ) -> None:
@@ -201,15 +206,58 @@ def test_a_state_of_another_budget_history_is_planned_live(tmp_path: Path) -> No
         assert cursor.state_dict() == live.state_dict()
 
 
-def test_only_a_budget_s_epochs_are_written(tmp_path: Path) -> None:
+def test_fixed_size_batches_are_not_written(tmp_path: Path) -> None:
     fixed = Plan(100, PlanConfig(batch_size=4), index_fingerprint=FP, index_path=tmp_path)
-    with pytest.raises(ValueError, match="only a cost budget's epochs are planned ahead"):
+    with pytest.raises(ValueError, match="only a cost budget's or packing's epochs are planned ahead"):
         write_planned_epochs(fixed, tmp_path, range(1))
-    packing = PlanConfig(bucketing=BucketingConfig(mode="packing", budget=512, overlong="split"))
-    packed = Plan(100, packing, index_fingerprint=FP, lengths=synthetic_lengths(100), index_path=tmp_path)
-    with pytest.raises(ValueError, match="only a cost budget's"):
-        write_planned_epochs(packed, tmp_path, range(1))
     assert PlannedEpochs.find(tmp_path, fixed) is None and not (tmp_path / "plans").exists()
+
+
+def _packs(micro_batches: list[MicroBatch] | tuple[MicroBatch, ...]) -> list[Any]:
+    return [None if mb.pack is None else mb.pack.segments for mb in micro_batches]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    num_samples=st.integers(30, 400),
+    window=st.integers(15, 200),
+    capacity=st.sampled_from([64, 256, 1024, 4096]),
+    written=st.sampled_from([range(0, 1), range(0, 2), range(1, 3)]),
+    topologies=_TOPOLOGIES,
+    resume_at=st.integers(0, 14),
+)
+def test_packing_s_written_epochs_deal_the_same_packs(
+    tmp_path_factory: pytest.TempPathFactory,
+    num_samples: int,
+    window: int,
+    capacity: int,
+    written: range,
+    topologies: list[tuple[int, int, int]],
+    resume_at: int,
+) -> None:
+    """Packs (each sample's slice of its sequence: ``cu_seqlens``, ``position_ids``) looked up as planned live."""
+    bucketing = BucketingConfig(mode="packing", budget=capacity, overlong="split", pack_stream="text")
+    live_plan, planned_plan = _plans(
+        num_samples, PlanConfig(seed=3, window_size=window, bucketing=bucketing), tmp_path_factory.mktemp("p"), written
+    )
+    live, planned = PlanCursor(live_plan), PlanCursor(planned_plan)
+    dealt = 0
+    for world_size, grad_accum, steps in topologies:
+        live.resize(world_size, grad_accum)
+        planned.resize(world_size, grad_accum)
+        for _ in range(steps):
+            expected, step = live.next_step(), planned.next_step()
+            assert _view(step.micro_batches) == _view(expected.micro_batches)
+            assert _packs(step.for_rank(world_size - 1)) == _packs(expected.for_rank(world_size - 1))
+            assert planned.state_dict() == live.state_dict()
+            dealt += 1
+            if dealt == resume_at:
+                resumed = PlanCursor(planned_plan.with_config(planned_plan.config), world_size=world_size)
+                resumed.resize(world_size, grad_accum)
+                resumed.load_state_dict(planned.state_dict())
+                planned = resumed
+    if 0 in written:
+        assert planned_epochs(planned_plan) is not None and planned_plan.work < live_plan.work
 
 
 def test_another_config_finds_no_written_epochs(tmp_path: Path) -> None:
