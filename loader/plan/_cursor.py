@@ -206,6 +206,8 @@ class PlanCursor:
                 same = mixture.state(self.epoch, self.window_start) == planned.schedule[self.window]
             except ValueError:  # the schedule answers from a later sample on: not the files' path
                 same = False
+            if not same:
+                planned.off_schedule()
             self._schedule_checked = (key, same)
         return self._schedule_checked[1]
 

@@ -248,6 +248,7 @@ class PlannedEpoch:
     """One planned epoch: its window table in memory, the rest read by ranges where a look-up needs it."""
 
     def __init__(self, folder: Path, header: dict[str, Any]) -> None:
+        self.folder, self._warned = folder, False
         self.epoch, self.size = int(header["epoch"]), int(header["micro_batches"])
         self.positions, self.bounds = _ArrayFile(folder / "positions.npy"), _ArrayFile(folder / "bounds.npy")
         self.costs, self.carried = _ArrayFile(folder / "costs.npy"), _ArrayFile(folder / "carried.npy")
@@ -275,6 +276,18 @@ class PlannedEpoch:
             self.schedule = json.loads((folder / _MIXTURE).read_text(encoding="utf-8"))
             if not isinstance(self.schedule, list) or len(self.schedule) != windows:
                 raise ValueError(f"its {_MIXTURE} does not hold one schedule position per window")
+
+    def off_schedule(self) -> None:
+        """Say once that a cursor's mixture is not where these files have it (weights changed since they were
+        written): it is planned live."""
+        if not self._warned:
+            self._warned = True
+            logger.warning(
+                "%s: written under another history of this mixture's weights (changed since, each source going on "
+                "from its count): planned live, the same micro-batches. Write it from the state the run resumed: "
+                "`omnifeed plan --config FILE --resume STATE --allow-mixture-change --write-epochs N`",
+                self.folder,
+            )
 
     def micro_batch(self, g: int) -> MicroBatch:
         start, stop = (int(b) for b in self.bounds.read(g, g + 2))

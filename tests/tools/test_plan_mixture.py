@@ -174,3 +174,35 @@ def test_a_budgeted_mixture_s_epochs_written_ahead_beside_its_config_deal_the_sa
     tail = run("plan", "--config", str(planned), "--world-size", "2", *budget, "--resume", str(state)).stdout
     report = json.loads(run("verify", "--config", str(planned), "-", "--epoch", "0", stdin=head + tail).stdout)
     assert report["ok"], report
+
+
+def test_after_a_weight_change_the_epochs_are_written_from_the_state_and_deal_what_live_planning_does(
+    config: Path, tmp_path: Path
+) -> None:
+    """`--resume STATE --allow-mixture-change --write-epochs N` writes the new weights' epochs from the state's next
+    whole epoch (an earlier `--epoch` is refused in one line); resuming the state deals what live planning deals."""
+    budget = ["--budget", "60000", "--overlong", "alone"]
+    data = yaml.safe_load(config.read_text())
+    data["plan"]["mixture"]["plans"] = "changed-plans"
+    before = config.with_name("mix-before.yaml")
+    before.write_text(yaml.safe_dump(data, sort_keys=False))
+    sources = data["plan"]["mixture"]["sources"]
+    sources["tars"]["weight"], sources["table"]["weight"] = 0.2, 0.8
+    after = config.with_name("mix-after.yaml")
+    after.write_text(yaml.safe_dump(data, sort_keys=False))
+    state = tmp_path / "state.json"
+    run("plan", "--config", str(before), "--world-size", "2", *budget, "--steps", "2", "--save-state", str(state))
+    change = ["--resume", str(state), "--allow-mixture-change"]
+    refused = run("plan", "--config", str(after), *budget, *change, "--write-epochs", "1", "--epoch", "0", check=False)
+    (line,) = refused.stderr.strip().splitlines()
+    assert refused.returncode == 1 and "write from --epoch 1 on" in line
+    written = run("plan", "--config", str(after), *budget, *change, "--write-epochs", "1").stdout
+    assert json.loads(written)["epoch"] == 1
+    del data["plan"]["mixture"]["plans"]
+    live_config = config.with_name("mix-after-live.yaml")
+    live_config.write_text(yaml.safe_dump(data, sort_keys=False))
+    deal = ["--world-size", "3", *budget, *change, "--epoch", "1"]  # the rest of epoch 0 (live), then epoch 1
+    live = run("plan", "--config", str(live_config), *deal).stdout
+    planned = run("plan", "--config", str(after), *deal)
+    assert live and planned.stdout == live
+    assert "another history" not in planned.stderr and "epoch 1 of this budget was not written" not in planned.stderr

@@ -369,7 +369,9 @@ def test_a_mixture_s_written_epochs_deal_what_live_planning_deals_through_a_weig
     assert steps_left_in_epoch(planned.plan, planned.state_dict()) == steps_left_in_epoch(live.plan, live.state_dict())
 
 
-def test_a_mixture_s_written_epochs_are_dealt_by_look_up_until_its_weights_change(tmp_path: Path) -> None:
+def test_a_mixture_s_written_epochs_are_dealt_by_look_up_until_its_weights_change(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Nothing planned on the written epochs at any world size; a weight change goes live (the files are of the old
     schedule), and the new weights' epochs written from the changed state are looked up again."""
     sizes, weights, config = [900, 400, 300], [0.5, 0.3, 0.2], _budget(300, 8000.0)
@@ -390,6 +392,13 @@ def test_a_mixture_s_written_epochs_are_dealt_by_look_up_until_its_weights_chang
     while changed.epoch < 1:
         changed.next_step()
     assert other.work > 0  # the old weights' files do not hold; the new weights' are not written
+    write_planned_epochs(_mixture(sizes, weights[::-1], config, tmp_path), None, range(1, 2))  # from scratch
+    stale = _mixture(sizes, weights[::-1], config, tmp_path)
+    resumed = PlanCursor(stale, world_size=3)
+    resumed.load_state_dict(changed.state_dict())
+    with caplog.at_level(logging.WARNING):
+        resumed.next_step()
+    assert stale.work > 0 and "written under another history of this mixture's weights" in caplog.text
     writer = _mixture(sizes, weights[::-1], config, tmp_path)
     PlanCursor(writer).load_state_dict(state, allow_mixture_change=True)
     write_planned_epochs(writer, None, range(1, 2))
