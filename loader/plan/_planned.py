@@ -46,6 +46,7 @@ PLANNED_FORMAT = "omnifeed.planned-epoch/2"  # /2: no windows.npy (each micro-ba
 PLANS_DIR = "plans"
 _HEADER = "epoch.json"
 _SEGMENTS = ("segment_starts", "segment_stops")  # packing's: each position's slice of its sample's sequence
+_OPEN_EPOCHS = 4  # planned epochs kept open per plan (each holds a few files; streams are an epoch or two apart)
 _MIXTURE = "mixture.json"  # a mixture's: each window's schedule position (`MixtureStream.state` at its start)
 
 CursorState = tuple[int, int, int, int, int, np.ndarray]
@@ -348,6 +349,9 @@ class PlannedEpochs:
         """Planned epoch ``epoch``, or None (not written, or its files do not check out: then logged once)."""
         if epoch not in self._epochs:
             self._epochs[epoch] = self._open(epoch)
+            opened = sorted(e for e, planned in self._epochs.items() if planned is not None)
+            for old in opened[:-_OPEN_EPOCHS]:  # a long run opens epoch after epoch: their files are closed again
+                del self._epochs[old]
         return self._epochs[epoch]
 
     def _open(self, epoch: int) -> PlannedEpoch | None:

@@ -5,8 +5,10 @@ out are set aside with a warning, never trusted."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -415,3 +417,16 @@ def test_a_mixture_without_a_plans_folder_is_refused_in_one_line(tmp_path: Path)
     with pytest.raises(ValueError, match="set plan.mixture.plans"):
         write_planned_epochs(plan, None, range(1))
     assert planned_epochs(plan) is None
+
+
+def test_a_long_run_keeps_a_few_epochs_files_open(tmp_path: Path) -> None:
+    """Epoch after epoch, the files of old ones are closed again (a run of many epochs runs out of no descriptors)."""
+    _, plan = _plans(200, _budget(100, 20000.0), tmp_path, range(0, 12))
+    before = len(os.listdir("/proc/self/fd"))
+    cursor = PlanCursor(plan, world_size=4)
+    while cursor.epoch < 12:
+        cursor.next_step()
+    assert plan.work == 0
+    del cursor
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) - before <= 4 * 6
