@@ -21,6 +21,7 @@ when the change is allowed (`change_mixture`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -31,6 +32,8 @@ from ._fixed_form import FixedBatchForm, FixedStep
 from ._plan import Plan, WindowPlan
 from ._planned import PlannedEpoch, planned_epochs
 from ._step import Step, WindowSpans
+
+logger = logging.getLogger(__name__)
 
 # /2 (issue 29): budget mode forms other micro-batches (cells and windows chosen from the data, equal windows,
 # leftovers evened out within their modality mix); a /1 state would resume into another sequence, so it is refused.
@@ -96,6 +99,7 @@ class PlanCursor:
         self._current: WindowPlan | None = None
         self._form = FixedBatchForm(plan) if plan.bucketing is None else None  # fixed batches: no window planned
         self._schedule_checked: tuple[tuple[Any, ...], bool] | None = None  # `_on_schedule`'s last answer
+        self._told_live = False  # that steps are planned live at a world size where that costs the world's step
 
     def epoch_delivered(self, epoch: int) -> bool:
         """True once every micro-batch of ``epoch`` has been dealt."""
@@ -137,7 +141,7 @@ class PlanCursor:
             self._current,
             self.carried,
         )
-        spans, left = WindowSpans(), size
+        spans, left, windows_planned = WindowSpans(), size, 0
         while left:
             planned = self._planned_epoch()
             if planned is not None:  # written ahead: by number, nothing planned
@@ -162,6 +166,7 @@ class PlanCursor:
                     self.carried,
                 ) = saved
                 raise DealingStopped(f"dealing step {self.step} was stopped")
+            windows_planned += self._current is None
             current = self._window_plan()
             take = min(left, len(current.micro_batches) - self.offset)
             if take > 0:  # a window left empty by its predecessor's borrowing deals nothing
@@ -171,6 +176,20 @@ class PlanCursor:
                 left -= take
             if self.offset >= len(current.micro_batches):
                 self._advance(current)
+        if windows_planned > 2 and not self._told_live:  # the step spans whole windows: its cost is the world's
+            self._told_live = True
+            source = "--config FILE (with plan.mixture.plans set)" if self.plan.mixture is not None else "INDEX"
+            logger.warning(
+                "step %d planned %d windows live (%d micro-batches a step at dp %d x accum %d): every node plans the "
+                "world's step; write the epochs ahead once, `omnifeed plan %s ... --write-epochs N`, and each step "
+                "is dealt by look-up",
+                self.step,
+                windows_planned,
+                size,
+                self.world_size,
+                self.grad_accum,
+                source,
+            )
         return spans
 
     def _planned_epoch(self) -> PlannedEpoch | None:

@@ -430,3 +430,21 @@ def test_a_long_run_keeps_a_few_epochs_files_open(tmp_path: Path) -> None:
     del cursor
     gc.collect()
     assert len(os.listdir("/proc/self/fd")) - before <= 4 * 6
+
+
+def test_steps_spanning_windows_planned_live_say_once_how_to_write_the_epochs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A world whose step spans whole windows, with nothing written: one warning naming the command; a small world
+    whose steps stay within a window: none."""
+    lengths = synthetic_lengths(3000)
+    plan = Plan(3000, _budget(100, 8000.0), index_fingerprint=FP, lengths=lengths, index_path=tmp_path)
+    with caplog.at_level(logging.WARNING):
+        small = PlanCursor(plan, world_size=1)
+        for _ in range(5):
+            small.next_step()
+        assert "planned" not in caplog.text
+        large = PlanCursor(plan, world_size=64, grad_accum=4)
+        for _ in range(3):
+            large.next_step()
+    assert caplog.text.count("windows live") == 1 and "--write-epochs" in caplog.text
