@@ -9,6 +9,7 @@ import gc
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,36 @@ def _budget(window: int, budget: float, carry: int = 256, tiers: bool = True) ->
 
 _TOPOLOGIES = st.lists(st.tuples(st.integers(1, 6), st.integers(1, 4), st.integers(1, 10)), min_size=1, max_size=4)
 
+Cursors = tuple[PlanCursor, PlanCursor]
+AfterStep = Callable[[int, int, int, PlanCursor, PlanCursor], Cursors]
+
+
+def _deal_alongside(
+    live: PlanCursor,
+    planned: PlanCursor,
+    topologies: list[tuple[int, int, int]],
+    after: AfterStep,
+    *,
+    every_rank: bool = False,
+    view: Callable[[Any], Any] = _view,
+) -> Cursors:
+    """Deal both cursors through ``topologies`` (world size, accumulation, steps), asserting after each step that
+    they dealt the same (every rank's share, or the last rank's) and stand in the same state; ``after(dealt, world
+    size, accumulation, live, planned)`` may then change or replace either cursor."""
+    dealt = 0
+    for world_size, grad_accum, steps in topologies:
+        live.resize(world_size, grad_accum)
+        planned.resize(world_size, grad_accum)
+        for _ in range(steps):
+            expected, step = live.next_step(), planned.next_step()
+            assert _view(step.micro_batches) == _view(expected.micro_batches)
+            for rank in range(world_size) if every_rank else (world_size - 1,):
+                assert view(step.for_rank(rank)) == view(expected.for_rank(rank))
+            assert planned.state_dict() == live.state_dict()
+            dealt += 1
+            live, planned = after(dealt, world_size, grad_accum, live, planned)
+    return live, planned
+
 
 @settings(max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
@@ -92,33 +123,26 @@ def test_written_epochs_deal_what_live_planning_deals(
     live_plan, planned_plan = _plans(
         num_samples, _budget(window, budget, carry, tiers), tmp_path_factory.mktemp("planned"), written
     )
-    live, planned = PlanCursor(live_plan), PlanCursor(planned_plan)
-    dealt = 0
-    for world_size, grad_accum, steps in topologies:
-        live.resize(world_size, grad_accum)
-        planned.resize(world_size, grad_accum)
-        for _ in range(steps):
-            expected, step = live.next_step(), planned.next_step()
-            assert _view(step.micro_batches) == _view(expected.micro_batches)
-            for rank in range(world_size):
-                assert _view(step.for_rank(rank)) == _view(expected.for_rank(rank))
-            assert planned.state_dict() == live.state_dict()
-            assert steps_left_in_epoch(planned_plan, planned.state_dict()) == steps_left_in_epoch(
-                live_plan, live.state_dict()
+
+    def after(dealt: int, world_size: int, grad_accum: int, live: PlanCursor, planned: PlanCursor) -> Cursors:
+        assert steps_left_in_epoch(planned_plan, planned.state_dict()) == steps_left_in_epoch(
+            live_plan, live.state_dict()
+        )
+        if dealt == feedback_at:  # memory feedback: the budget changes from the next window on, then back
+            for cursor in (live, planned):
+                cursor.report_headroom(0.9)
+        if feedback_at is not None and dealt == feedback_at + 3:
+            for cursor in (live, planned):
+                cursor.next_budget = cursor.plan.budget
+        if dealt == resume_at:
+            resumed = PlanCursor(
+                planned_plan.with_config(planned_plan.config), world_size=world_size, grad_accum=grad_accum
             )
-            dealt += 1
-            if dealt == feedback_at:  # memory feedback: the budget changes from the next window on, then back
-                for cursor in (live, planned):
-                    cursor.report_headroom(0.9)
-            if feedback_at is not None and dealt == feedback_at + 3:
-                for cursor in (live, planned):
-                    cursor.next_budget = cursor.plan.budget
-            if dealt == resume_at:
-                resumed = PlanCursor(
-                    planned_plan.with_config(planned_plan.config), world_size=world_size, grad_accum=grad_accum
-                )
-                resumed.load_state_dict(planned.state_dict())
-                planned = resumed
+            resumed.load_state_dict(planned.state_dict())
+            planned = resumed
+        return live, planned
+
+    _deal_alongside(PlanCursor(live_plan), PlanCursor(planned_plan), topologies, after, every_rank=True)
 
 
 def test_on_written_epochs_nothing_is_planned_at_any_world_size(tmp_path: Path) -> None:
@@ -242,22 +266,16 @@ def test_packing_s_written_epochs_deal_the_same_packs(
     live_plan, planned_plan = _plans(
         num_samples, PlanConfig(seed=3, window_size=window, bucketing=bucketing), tmp_path_factory.mktemp("p"), written
     )
-    live, planned = PlanCursor(live_plan), PlanCursor(planned_plan)
-    dealt = 0
-    for world_size, grad_accum, steps in topologies:
-        live.resize(world_size, grad_accum)
-        planned.resize(world_size, grad_accum)
-        for _ in range(steps):
-            expected, step = live.next_step(), planned.next_step()
-            assert _view(step.micro_batches) == _view(expected.micro_batches)
-            assert _packs(step.for_rank(world_size - 1)) == _packs(expected.for_rank(world_size - 1))
-            assert planned.state_dict() == live.state_dict()
-            dealt += 1
-            if dealt == resume_at:
-                resumed = PlanCursor(planned_plan.with_config(planned_plan.config), world_size=world_size)
-                resumed.resize(world_size, grad_accum)
-                resumed.load_state_dict(planned.state_dict())
-                planned = resumed
+
+    def after(dealt: int, world_size: int, grad_accum: int, live: PlanCursor, planned: PlanCursor) -> Cursors:
+        if dealt == resume_at:
+            resumed = PlanCursor(planned_plan.with_config(planned_plan.config), world_size=world_size)
+            resumed.resize(world_size, grad_accum)
+            resumed.load_state_dict(planned.state_dict())
+            planned = resumed
+        return live, planned
+
+    _deal_alongside(PlanCursor(live_plan), PlanCursor(planned_plan), topologies, after, view=_packs)
     if 0 in written:
         assert planned_epochs(planned_plan) is not None and planned_plan.work < live_plan.work
 
@@ -341,33 +359,26 @@ def test_a_mixture_s_written_epochs_deal_what_live_planning_deals_through_a_weig
         _mixture(sizes, weights, config, None, until),
         _mixture(sizes, weights, config, folder, until),
     )
-    live, planned = PlanCursor(live_plan), PlanCursor(planned_plan)
-    dealt = 0
-    for world_size, grad_accum, steps in topologies:
-        live.resize(world_size, grad_accum)
-        planned.resize(world_size, grad_accum)
-        for _ in range(steps):
-            expected, step = live.next_step(), planned.next_step()
-            assert _view(step.micro_batches) == _view(expected.micro_batches)
-            assert _view(step.for_rank(world_size - 1)) == _view(expected.for_rank(world_size - 1))
-            assert planned.state_dict() == live.state_dict()
-            dealt += 1
-            if dealt in (resume_at, change_at):
-                changed = dealt == change_at
-                others = weights[::-1] if changed else weights
-                state = planned.state_dict()
-                live = PlanCursor(
-                    _mixture(sizes, others, config, None, until), world_size=world_size, grad_accum=grad_accum
-                )
-                live.load_state_dict(state, allow_mixture_change=changed)
-                plan = _mixture(sizes, others, config, folder, until)
-                if changed:  # the new weights' epochs, from scratch or from the changed state
-                    writer = _mixture(sizes, others, config, folder, until)
-                    if rewrite:
-                        PlanCursor(writer).load_state_dict(state, allow_mixture_change=True)
-                    write_planned_epochs(writer, None, range(live.epoch + 1, live.epoch + 3) if rewrite else written)
-                planned = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
-                planned.load_state_dict(state, allow_mixture_change=changed)
+
+    def after(dealt: int, world_size: int, grad_accum: int, live: PlanCursor, planned: PlanCursor) -> Cursors:
+        if dealt not in (resume_at, change_at):
+            return live, planned
+        changed = dealt == change_at
+        others = weights[::-1] if changed else weights
+        state = planned.state_dict()
+        live = PlanCursor(_mixture(sizes, others, config, None, until), world_size=world_size, grad_accum=grad_accum)
+        live.load_state_dict(state, allow_mixture_change=changed)
+        plan = _mixture(sizes, others, config, folder, until)
+        if changed:  # the new weights' epochs, from scratch or from the changed state
+            writer = _mixture(sizes, others, config, folder, until)
+            if rewrite:
+                PlanCursor(writer).load_state_dict(state, allow_mixture_change=True)
+            write_planned_epochs(writer, None, range(live.epoch + 1, live.epoch + 3) if rewrite else written)
+        planned = PlanCursor(plan, world_size=world_size, grad_accum=grad_accum)
+        planned.load_state_dict(state, allow_mixture_change=changed)
+        return live, planned
+
+    live, planned = _deal_alongside(PlanCursor(live_plan), PlanCursor(planned_plan), topologies, after)
     assert steps_left_in_epoch(planned.plan, planned.state_dict()) == steps_left_in_epoch(live.plan, live.state_dict())
 
 
