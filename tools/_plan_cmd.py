@@ -127,11 +127,6 @@ def _write_epochs(args: argparse.Namespace, plan: Plan, state: dict[str, Any] | 
     its next whole epoch on."""
     if args.write_epochs < 1:
         raise ValueError(f"--write-epochs takes a number of epochs, 1 or more; got {args.write_epochs}")
-    if plan.mixture is not None and (plan.config.mixture is None or plan.config.mixture.plans is None):
-        raise ValueError(
-            f"{args.config or args.resume}: set plan.mixture.plans to a folder (relative to the config file) to "
-            "write this mixture's epochs ahead into"
-        )
     first = args.epoch or 0
     if state is not None:
         cursor = PlanCursor(plan, world_size=int(state["world_size"]), grad_accum=int(state["grad_accum"]))
