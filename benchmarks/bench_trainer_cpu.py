@@ -7,15 +7,19 @@ Two datasets are generated into a temporary folder: ``photos`` (JPEGs of 320×25
 uint8 ``[64, 3, 224, 224]``: 9.6 MB, 3 tensors) and ``mixed`` (the same pictures with a caption and a class
 label, batches of 5: 0.75 MB, 7 tensors and a list of strings; the captions vary in length, so the padded
 token tensor changes shape from batch to batch). For each, a real service (``omnifeed serve`` in its own
-process, the feed's own decoding) serves a `FeedClient` in this process; the DataLoader (2 workers,
-``batch_size=None``) reads and decodes the same samples with the same decoders and collate.
+process, the feed's own decoding) serves a `FeedClient` in this process: ``service`` receives the next batch
+ahead on the client's thread (the default, ``receive_ahead=1``), ``service-sync`` on the trainer's thread when
+asked (``receive_ahead=0``); the DataLoader (2 workers, ``batch_size=None``) reads and decodes the same samples
+with the same decoders and collate.
 
 The trainer loop is a training loop's: ``batch = next(it)`` while the previous batch is still bound, one
 read of a pixel. Two ways: ``step`` sleeps ``--step-ms`` after each batch (a training step: the next
 batches are waiting when ``next()`` is called, and this thread's caches are cold, as after a real step),
 ``wait`` calls ``next()`` at once (the trainer waits for the loader). Measured: ``time.thread_time()``
 around ``next()`` (this thread's CPU, user and system: what the trainer's main thread pays), median and
-90th percentile over the batches after a warm-up. Writes ``benchmarks/results-trainer-cpu.json``.
+90th percentile over the batches after a warm-up; and the whole trainer process's CPU per batch over the
+loop (every thread: the client's receiving thread, the DataLoader's own). Writes
+``benchmarks/results-trainer-cpu.json``.
 """
 
 from __future__ import annotations
@@ -64,11 +68,15 @@ def write_dataset(work: Path, kind: str, count: int) -> Path:
     return work / f"index-{kind}"
 
 
-def trainer_loop(batches: Iterator[dict[str, Any]], count: int, warmup: int, step_s: float) -> list[float]:
-    """Thread CPU (ms) around each ``next()`` after ``warmup``; the previous batch stays bound meanwhile."""
+def trainer_loop(batches: Iterator[dict[str, Any]], count: int, warmup: int, step_s: float) -> dict[str, float]:
+    """Thread CPU (ms) around each ``next()`` after ``warmup`` (the previous batch stays bound meanwhile), and the
+    CPU of the whole trainer process (every thread: a client's thread receiving ahead too) per batch."""
     times = []
     batch = next(batches)
+    process = 0.0
     for i in range(warmup + count):
+        if i == warmup:
+            process = time.process_time()
         if step_s:
             time.sleep(step_s)
         started = time.thread_time()
@@ -77,7 +85,7 @@ def trainer_loop(batches: Iterator[dict[str, Any]], count: int, warmup: int, ste
         int(batch["image"]["pixels"][0, 0, 0, 0])  # the trainer reads its batch
         if i >= warmup:
             times.append(spent * 1e3)
-    return times
+    return {**summary(times), "process_ms_per_batch": round((time.process_time() - process) * 1e3 / count, 4)}
 
 
 def epochs(loader: Any) -> Iterator[dict[str, Any]]:
@@ -97,8 +105,11 @@ def summary(times: list[float]) -> dict[str, float]:
     }
 
 
-def run_service(work: Path, index: Path, kind: str, loops: Callable[[Iterator[dict[str, Any]]], dict[str, Any]]) -> Any:
-    """``loops`` over a `FeedClient` of an ``omnifeed serve`` of ``index`` (its own process)."""
+def run_service(
+    work: Path, index: Path, kind: str, loops: Callable[[Iterator[dict[str, Any]]], dict[str, Any]], ahead: int = 1
+) -> Any:
+    """``loops`` over a `FeedClient` (``receive_ahead=ahead``) of an ``omnifeed serve`` of ``index`` (its own
+    process)."""
     sockets = work / "sockets"
     sockets.mkdir(mode=0o700, exist_ok=True)
     socket = str(sockets / f"{kind}.sock")
@@ -115,7 +126,7 @@ def run_service(work: Path, index: Path, kind: str, loops: Callable[[Iterator[di
     process = subprocess.Popen(serve, stdout=subprocess.DEVNULL)
     try:
         wait_until_serving(socket, process)
-        with FeedClient(socket) as client:
+        with FeedClient(socket, receive_ahead=ahead) as client:
             return loops(epochs(client))
     finally:
         process.terminate()
@@ -158,6 +169,7 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=200.0, help="the 'step' loop's pause after each batch")
     parser.add_argument("--kinds", nargs="+", default=["photos", "mixed"], choices=list(BATCH))
     parser.add_argument("--no-dataloader", action="store_true")
+    parser.add_argument("--no-sync", action="store_true", help="skip the client with receive_ahead=0")
     parser.add_argument("--quick", action="store_true", help="800 photos, 20 batches")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -172,11 +184,13 @@ def main() -> None:
 
             def loops(batches: Iterator[dict[str, Any]]) -> dict[str, Any]:
                 return {
-                    "step": summary(trainer_loop(batches, args.batches, args.warmup, args.step_ms / 1e3)),
-                    "wait": summary(trainer_loop(batches, args.batches, args.warmup, 0.0)),
+                    "step": trainer_loop(batches, args.batches, args.warmup, args.step_ms / 1e3),
+                    "wait": trainer_loop(batches, args.batches, args.warmup, 0.0),
                 }
 
             runners = [("service", lambda: run_service(work, index, kind, loops))]
+            if not args.no_sync:  # the same client receiving each batch on the trainer's thread when asked
+                runners.append(("service-sync", lambda: run_service(work, index, kind, loops, ahead=0)))
             if not args.no_dataloader:
                 runners.append(("dataloader", lambda: run_dataloader(index, kind, loops)))
             for loader, run in runners:
@@ -185,7 +199,10 @@ def main() -> None:
                     row = {"data": kind, "loader": loader, "mode": mode, **figures}
                     results["rows"].append(row)
                     print(json.dumps(row), flush=True)
-    print(f"{'data':7s} {'mode':5s} {'loader':11s} {'median ms':>10s} {'p90 ms':>8s} {'vs DataLoader':>14s}")
+    print(
+        f"{'data':7s} {'mode':5s} {'loader':11s} {'median ms':>10s} {'p90 ms':>8s} {'vs DataLoader':>14s} "
+        f"{'process ms/batch':>17s}"
+    )
     for row in results["rows"]:
         base = [
             r
@@ -195,7 +212,7 @@ def main() -> None:
         ratio = f"{row['median_ms'] / base[0]['median_ms']:.2f}×" if base else "—"
         print(
             f"{row['data']:7s} {row['mode']:5s} {row['loader']:11s} {row['median_ms']:10.3f} {row['p90_ms']:8.3f} "
-            f"{ratio:>14s}"
+            f"{ratio:>14s} {row['process_ms_per_batch']:17.3f}"
         )
     args.out.write_text(json.dumps(results, indent=2) + "\n")
 

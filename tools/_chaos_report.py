@@ -27,7 +27,7 @@ def _rolled_back(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], i
     """The delivery records a verifier keeps; how many resume markers rolled back; how many were logged twice.
 
     The rule of ``verify_coverage``: a delivery logged twice in one attempt (step, rank,
-    accumulation micro-step, micro-batch, topology, ``since``) counts once; a marker at
+    accumulation micro-step, micro-batch, topology, ``since``) counts once, a returned one not at all; a marker at
     (step, accum_done) drops the earlier records of that step or later from other attempts.
     """
     kept: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -36,8 +36,12 @@ def _rolled_back(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], i
         if "resume" in record:
             at = (int(record["step"]), int(record.get("accum_done", 0)))
             before = len(kept)
-            kept = {k: r for k, r in kept.items() if r.get("since") == record["resume"] or (r["step"], r["accum"]) < at}
+            spared = {record["resume"], *record.get("live", ())}
+            kept = {k: r for k, r in kept.items() if r.get("since") in spared or (r["step"], r["accum"]) < at}
             dropped += before - len(kept)
+        elif "returned" in record:  # received ahead and given back unused: not a delivery
+            fields = ("step", "rank", "accum", "micro_batch")
+            kept.pop((*(record[f] for f in fields), record.get("topology_version"), record["returned"]), None)
         elif "since" in record:
             key = (
                 record["step"],
@@ -57,7 +61,8 @@ def _rolled_back(records: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], i
 def verify_audit(index: SampleIndex, records: list[dict[str, Any]], complete_epochs: int) -> dict[str, Any]:
     """Per epoch touched: ``verify_coverage``'s report, and whether it passes (see the module docstring)."""
     kept, dropped, twice = _rolled_back(records)
-    epochs = sorted({int(r["epoch"]) for r in records if "resume" not in r} | set(range(complete_epochs)))
+    deliveries = [r for r in records if "resume" not in r and "returned" not in r]
+    epochs = sorted({int(r["epoch"]) for r in deliveries} | set(range(complete_epochs)))
     reports = []
     for epoch in epochs:
         report = verify_coverage(index, epoch, records).to_json()
@@ -69,7 +74,7 @@ def verify_audit(index: SampleIndex, records: list[dict[str, Any]], complete_epo
         reports.append(report)
     replaced = Counter(str(item[2]) for r in kept for item in r.get("replaced") or [])
     return {
-        "records": sum("resume" not in r for r in records),
+        "records": len(deliveries),
         "resume_markers": sum("resume" in r for r in records),
         "logged_twice": twice,
         "rolled_back": dropped,

@@ -85,7 +85,7 @@ class AuditWatch:
         begun = []
         for line in complete.splitlines():
             record = json.loads(line)
-            if "resume" in record:
+            if "resume" in record or "returned" in record:
                 continue
             self.records += 1
             self.changed = time.monotonic()

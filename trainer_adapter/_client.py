@@ -52,6 +52,9 @@ class FeedClient:
     (before the first connection, a path where nothing listens fails after about 5 s).
     ``trusted_uid``: a service running as this other uid is accepted (default: only the
     user's own); anything else raises `omnifeed.loader.service.UntrustedServiceError`.
+    ``receive_ahead``: batches received from the service ahead of the trainer, on a thread of the
+    client's, while the trainer computes (0: each on the trainer's thread when it asks); batches
+    received and never yielded (a resize, a resume, ``close()``) are given back to the service.
     """
 
     def __init__(
@@ -68,7 +71,10 @@ class FeedClient:
         request_timeout_s: float | None = None,
         lr_rule: LrRule = "linear",
         trusted_uid: int | None = None,
+        receive_ahead: int = 1,
     ) -> None:
+        if receive_ahead < 0:
+            raise ValueError(f"receive_ahead must be 0 or more, not {receive_ahead}")
         self.address = address or default_socket()
         self.trusted_uid = trusted_uid
         self._set_topology(rank, world_size, dp_rank, dp_world_size, grad_accum)
@@ -81,6 +87,7 @@ class FeedClient:
             reconnect_timeout_s=reconnect_timeout_s,
             request_timeout_s=request_timeout_s,
             trusted_uid=trusted_uid,
+            receive_ahead=receive_ahead,
         )
         self._closed = False
 
@@ -224,11 +231,14 @@ class FeedClient:
         start = self.epoch
 
         def batches() -> Iterator[dict[str, Any]]:
+            source = self._source  # a trainer's loop calls this once a batch: few look-ups after a step's cold caches
             while True:
-                position = self._source.position
+                position = source.position
                 if position.accum_done == 0 and position.epoch > start:
                     return
-                yield self.next_batch()
+                if self._closed:
+                    raise RuntimeError("the client is closed")
+                yield source.next_batch()
 
         return batches()
 

@@ -7,6 +7,12 @@ next micro-batch not yet taken; a service crash costs the trainer a wait, never 
 Until the source has reached its service once, a path where nothing listens is given up on after
 a few seconds (a wrong path, no service started); the long ``reconnect_timeout_s`` is for a service
 that was up and went away. A service of another user is refused at once (`connect`), never retried.
+
+The next batch is received ahead on a thread of the source's (`BatchesAhead`, ``receive_ahead``
+batches; 0: on the trainer's thread when asked), so the trainer's ``next()`` takes a batch that is
+already decoded and assembled. Batches received ahead and never yielded (a resize, a resume,
+closing) are given back with the goodbye (``returned``): the service logs those deliveries as
+returned, so the audit log holds what trainers were handed.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from omnifeed.loader.feed import FeedPosition
@@ -33,6 +41,7 @@ from omnifeed.loader.service import (
     send,
 )
 
+from ._ahead import BatchesAhead
 from ._attempt_feed import checkpoint_digest
 from ._segments import Handoff
 from ._sources import Topology
@@ -41,6 +50,8 @@ log = logging.getLogger("omnifeed.client")
 
 _FATAL_CODES = frozenset({"protocol", "fingerprint", "state", "topology", "position", "feed"})
 _NO_SERVICE_S = 5.0  # before a first connection: how long a path where nothing listens is retried
+
+Received = tuple[dict[str, Any], dict[str, Any], FeedPosition, int]  # batch, state after it, that state read, number
 
 
 class ServiceSource:
@@ -55,6 +66,7 @@ class ServiceSource:
         reconnect_timeout_s: float,
         request_timeout_s: float | None,
         trusted_uid: int | None,
+        receive_ahead: int = 1,
     ) -> None:
         self.address, self.topology, self.trusted_uid = address, topology, trusted_uid
         self.index_fingerprint = index_fingerprint
@@ -63,12 +75,16 @@ class ServiceSource:
         self._resumed_from: str | None = None  # digest of the state last loaded: "the job resumed from this checkpoint"
         self._attempt: str | None = None  # the service's name for the run since then (kept across reconnections)
         self._sock: socket.socket | None = None
-        self._state: dict[str, Any] | None = None
+        self._state: dict[str, Any] | None = None  # after the last batch yielded to the trainer: `state_dict()`
+        self._position: FeedPosition | None = None  # `_state` read
+        self._cursor: dict[str, Any] | None = None  # after the last batch received (ahead of `_state` by those waiting)
         self._allow_mixture_change = False  # the next hello carries the state over to the service's mixture weights
         self._handoff = Handoff()  # segments mapped, batches the trainer holds and dropped
         self._service = ""  # batch numbers belong to one service process: a release must not reach another
         self._token = uuid.uuid4().hex  # this client, across its reconnections
-        self.waited_s = 0.0
+        self._waited_s = 0.0
+        self._closing = threading.Event()  # close() interrupts a reconnection's backoff on the thread ahead
+        self._ahead = BatchesAhead(self._receive, receive_ahead, "omnifeed-client-ahead") if receive_ahead else None
         self.reconnects = 0
         self._reached = False  # a service welcomed this client once: from then on, wait for it to come back
         self._first_failure: float | None = None  # when the first attempt before that failed
@@ -76,6 +92,16 @@ class ServiceSource:
 
     def next_batch(self) -> dict[str, Any]:
         """The next batch of this rank (crossing epochs freely); waits for, and reconnects to, the service."""
+        batch, self._state, self._position, _ = self._receive() if self._ahead is None else self._ahead.take()
+        return batch
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds the trainer waited for batches (received ahead: its waits in ``next()``)."""
+        return self._waited_s if self._ahead is None else self._ahead.waited_s
+
+    def _receive(self) -> Received:
+        """The batch after the cursor, from the service (on the thread ahead, or the trainer's)."""
         deadline = time.monotonic() + self.reconnect_timeout_s
         handoff = self._handoff
         while True:
@@ -86,18 +112,19 @@ class ServiceSource:
                 message = handoff.receive(sock, self._service)
                 if message["op"] != "batch":
                     check_reply(message, "batch")
-                self.waited_s += time.perf_counter() - started
+                self._waited_s += time.perf_counter() - started
             except (OSError, EOFError, ServiceError) as exc:
                 self._lost(exc, deadline)
                 continue
-            self._state = message["state"]
-            batch: dict[str, Any] = message["batch"]
-            return batch
+            self._cursor = state = message["state"]
+            return message["batch"], state, FeedPosition.from_dict(state), message["seq"]
 
     @property
     def position(self) -> FeedPosition:
-        """The last state the service sent, read (connecting first if none came yet)."""
-        return FeedPosition.from_dict(self._current_state())
+        """The state after the last batch yielded, read (connecting first if none came yet)."""
+        if self._position is None:
+            self._position = FeedPosition.from_dict(self._current_state())
+        return self._position
 
     def __len__(self) -> int:
         """Micro-batches left in the epoch in progress, as the service plans them (no data read).
@@ -116,8 +143,9 @@ class ServiceSource:
         while True:
             try:
                 if self._sock is not None:
-                    send(self._sock, request)
-                    reply = check_reply(receive(self._sock, MAX_REPLY_BYTES)[0], "length")
+                    with self._quiet():
+                        send(self._sock, request)
+                        reply = check_reply(receive(self._sock, MAX_REPLY_BYTES)[0], "length")
                 else:
                     with connect(self.address, self.request_timeout_s, self.trusted_uid) as sock:
                         send(sock, request)
@@ -134,18 +162,20 @@ class ServiceSource:
     def load_state_dict(self, state: Mapping[str, Any], *, allow_mixture_change: bool = False) -> None:
         """Reconnect resuming from ``state``: the service checks it at once (and carries it over to its mixture
         weights when ``allow_mixture_change``)."""
-        self._goodbye()
-        self._state = dict(state)
-        self._allow_mixture_change = allow_mixture_change
-        self._resumed_from = checkpoint_digest(state)
-        self._attempt = None
-        self._connected(time.monotonic() + self.reconnect_timeout_s)
+        with self._quiet():
+            self._goodbye()
+            self._state, self._position, self._cursor = dict(state), None, dict(state)
+            self._allow_mixture_change = allow_mixture_change
+            self._resumed_from = checkpoint_digest(state)
+            self._attempt = None
+            self._reconnected()
 
     def resize(self, topology: Topology) -> None:
         """Reconnect at ``topology``."""
-        self.topology = topology
-        self._goodbye()
-        self._connected(time.monotonic() + self.reconnect_timeout_s)
+        with self._quiet():
+            self.topology = topology
+            self._goodbye()
+            self._reconnected()
 
     @property
     def plan_shape(self) -> tuple[int, float | None]:
@@ -155,9 +185,28 @@ class ServiceSource:
 
     def close(self) -> None:
         """Say goodbye and disconnect."""
-        self._goodbye()
+        self._closing.set()
+        with self._quiet():
+            self._goodbye()
+        if self._ahead is not None:
+            self._ahead.stop()
 
     # -- connection ------------------------------------------------------------------------
+    @contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """No batch is being received ahead inside the block: the trainer's thread may use the connection."""
+        if self._ahead is None:
+            yield
+        else:
+            with self._ahead.paused():
+                yield
+
+    def _reconnected(self) -> None:
+        """Connect again from the state yielded last (inside `_quiet`, batches ahead given back)."""
+        self._cursor = self._state
+        self._connected(time.monotonic() + self.reconnect_timeout_s)
+        self._state, self._position = self._cursor, None  # a mixture change carries the state over in the welcome
+
     def _connected(self, deadline: float) -> socket.socket:
         while self._sock is None:
             try:
@@ -179,7 +228,7 @@ class ServiceSource:
                 "dp_rank": topology.dp_rank,
                 "dp_world_size": topology.dp_world_size,
                 "grad_accum": topology.grad_accum,
-                "state": self._state,
+                "state": self._cursor,
                 "resume": self._resumed_from,
                 "attempt": self._attempt,
                 "token": self._token,
@@ -196,7 +245,7 @@ class ServiceSource:
         except BaseException:
             sock.close()
             raise
-        self._state = welcome["state"]  # carried over, if a mixture change was allowed: later hellos need not allow it
+        self._cursor = welcome["state"]  # carried over, if a mixture change was allowed: later hellos need not allow it
         self._allow_mixture_change = False
         self.index_fingerprint = welcome["index_fingerprint"]
         self._plan_shape = (int(welcome["batch_size"]), welcome["budget"])
@@ -247,7 +296,8 @@ class ServiceSource:
         if not self._reached and self._first_failure is not None:  # give up on time, not one backoff late
             delay = max(0.05, min(delay, self._first_failure + _NO_SERVICE_S - now))
         log.info("omnifeed service at %s unreachable (%s); retrying in %.2f s", self.address, exc, delay)
-        time.sleep(delay)
+        if self._closing.wait(delay):
+            raise ServiceUnavailableError(f"the client of the omnifeed service at {self.address} is closed") from None
 
     def _drop_connection(self) -> None:
         if self._sock is not None:
@@ -259,21 +309,27 @@ class ServiceSource:
 
     def _current_state(self) -> dict[str, Any]:
         if self._state is None:
-            self._connected(time.monotonic() + self.reconnect_timeout_s)
+            with self._quiet():
+                self._reconnected()
         assert self._state is not None
         return self._state
 
     def _goodbye(self) -> None:
-        """Say goodbye and disconnect (batches the trainer still holds stay valid)."""
+        """Say goodbye and disconnect, giving back the batches received ahead (inside `_quiet`); batches the trainer
+        still holds stay valid."""
+        returned = [seq for *_, seq in self._ahead.drain()] if self._ahead is not None else []
         if self._sock is not None:
             try:
-                send(self._sock, {"op": "bye", "release": self._handoff.released_to(self._service)})
+                release = self._handoff.released_to(self._service)  # with the batches drained, now unreferenced
+                send(self._sock, {"op": "bye", "release": release, "returned": returned})
                 receive(self._sock, MAX_REPLY_BYTES)
             except (OSError, EOFError, ProtocolError):
                 pass
             self._drop_connection()
 
     def __del__(self) -> None:
+        if getattr(self, "_ahead", None) is not None:
+            self._ahead.stop()  # type: ignore[union-attr]
         if getattr(self, "_sock", None) is not None:
             self._drop_connection()
 

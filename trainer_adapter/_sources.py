@@ -30,12 +30,16 @@ class Topology:
 class BatchSource(Protocol):
     """What `FeedClient` needs of where its batches come from."""
 
-    waited_s: float  # time spent waiting for batches
     reconnects: int  # connections lost and retried
     index_fingerprint: str | None  # the index's, once known
 
     def next_batch(self) -> dict[str, Any]:
         """The next batch of this rank (crossing epochs freely)."""
+        ...
+
+    @property
+    def waited_s(self) -> float:
+        """Seconds the trainer waited for batches."""
         ...
 
     @property

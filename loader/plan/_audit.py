@@ -183,11 +183,15 @@ def verify_coverage(index: SampleIndex, epoch: int, records: Iterable[dict[str, 
     accumulation micro-step, micro-batch, topology and attempt all equal) counts once: a
     restarted service re-sends the batch a client had not received yet, and logs it again.
 
+    A **returned** record (``{"returned": ATTEMPT, "step", "rank", "accum", "micro_batch", ...}``)
+    takes back the delivery with those fields: a client received it ahead of its trainer and gave it
+    back unused (a resize, a resume, closing).
+
     A **resume marker** (``{"resume": ATTEMPT, "step": S, "accum_done": A, ...}``, written by the
     service when a job that loaded a checkpoint starts a new attempt) rolls back what was
     delivered after that checkpoint and never committed: the records before it, from steps at or
-    after ``S``, of other attempts (their ``"since"``). So a run that crashed and resumed from its
-    last checkpoint verifies per committed step.
+    after ``S``, of other attempts (their ``"since"``) but those it names ``"live"`` (still running
+    then). So a run that crashed and resumed from its last checkpoint verifies per committed step.
     """
     keys, partial = delivered_keys(epoch, records)
     positions = index.positions_of(keys) if keys else np.empty(0, dtype=np.int64)
@@ -221,7 +225,10 @@ def delivered_keys(epoch: int, records: Iterable[dict[str, Any]]) -> tuple[list[
     for line, record in enumerate(records):
         if "resume" in record:
             at = (int(record["step"]), int(record.get("accum_done", 0)))
-            kept = {k: r for k, r in kept.items() if r.get("since") == record["resume"] or (r["step"], r["accum"]) < at}
+            spared = {record["resume"], *record.get("live", ())}
+            kept = {k: r for k, r in kept.items() if r.get("since") in spared or (r["step"], r["accum"]) < at}
+        elif "returned" in record:  # a client received it ahead and its trainer never had it
+            kept.pop((*_delivery(record), record["returned"]), None)
         elif "since" in record:
             kept.setdefault((*_delivery(record), record["since"]), record)
         else:  # a log of the in-process feed or of `omnifeed plan`: every line is a delivery

@@ -6,7 +6,9 @@ one attempt, however staggered their start, unless a client of that attempt left
 goodbye (crashed, killed, stopped by torchrun: the job is restarting); then a new attempt opens
 and a **resume marker** is logged (``{"resume": ATTEMPT, "epoch", "step", "accum_done",
 "topology_version", "keys": []}``): deliveries of earlier attempts from that step on were never
-committed, and `verify_coverage` rolls them back. Every delivery record is tagged
+committed, and `verify_coverage` rolls them back — except those of attempts still running then
+(``"live"``: a client of theirs connected and none crashed, e.g. a rank that stayed while new
+ranks join from its checkpoint: its next batch may be received before their marker). Every delivery record is tagged
 ``"since": ATTEMPT``. Records are written under one lock, a marker together with the attempt it
 opens. docs/service.md, "Committed steps in the audit log".
 """
@@ -16,15 +18,17 @@ from __future__ import annotations
 import json
 import threading
 import uuid
+from collections.abc import Collection
 from typing import IO, Any
 
 from ..feed import FeedPosition
 from ..plan import open_audit_log
 
 
-def resume_marker(attempt: str, position: FeedPosition) -> dict[str, Any]:
-    """The audit record that opens ``attempt`` at ``position``: where its deliveries resume."""
-    return {
+def resume_marker(attempt: str, position: FeedPosition, live: list[str] | None = None) -> dict[str, Any]:
+    """The audit record that opens ``attempt`` at ``position``: where its deliveries resume (``live``: attempts still
+    running, whose deliveries it does not roll back)."""
+    marker: dict[str, Any] = {
         "resume": attempt,
         "epoch": position.epoch,
         "step": position.step,
@@ -32,6 +36,9 @@ def resume_marker(attempt: str, position: FeedPosition) -> dict[str, Any]:
         "topology_version": position.topology_version,
         "keys": [],
     }
+    if live:
+        marker["live"] = live
+    return marker
 
 
 class AttemptLog:
@@ -42,13 +49,16 @@ class AttemptLog:
         self._lock = threading.Lock()
         self._attempts: dict[str, tuple[str, bool]] = {}  # checkpoint digest -> (its latest attempt, crashed)
 
-    def join(self, attempt: str | None, resume: str | None, position: FeedPosition) -> str | None:
+    def join(
+        self, attempt: str | None, resume: str | None, position: FeedPosition, running: Collection[str] = ()
+    ) -> str | None:
         """The attempt a client's deliveries belong to.
 
         ``attempt``: the one the client already knows (it reconnects, to this service or a
         restarted one): kept. Else ``resume``: the digest of the checkpoint it just loaded; it
         joins the attempt that loaded it, unless that attempt crashed; else a new attempt opens
-        and a resume marker at ``position`` (the client's) is logged. None: neither.
+        and a resume marker at ``position`` (the client's) is logged, naming the attempts of ``running`` (those
+        with a client connected) that did not crash. None: neither.
         """
         with self._lock:
             if attempt is not None or resume is None:
@@ -57,8 +67,9 @@ class AttemptLog:
             if current is not None and not current[1]:
                 return current[0]
             opened = f"{resume}-{uuid.uuid4().hex[:8]}"
+            over = {known for known, crashed in self._attempts.values() if crashed}
             self._attempts[resume] = (opened, False)
-            self._write(resume_marker(opened, position))
+            self._write(resume_marker(opened, position, sorted(set(running) - over)))
             return opened
 
     def crashed(self, attempt: str) -> None:

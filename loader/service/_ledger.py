@@ -84,6 +84,13 @@ class BatchLedger:
             with self._lock:
                 self._lent = [(r, s) for r, s in self._lent if r not in done]
 
+    def give_back(self, client: int, seqs: set[int]) -> None:
+        """The client gave back these batches unused (`Stream.give_back`), where its stream lent them."""
+        with self._lock:
+            lent = [(ready, stream) for ready, stream in self._lent if ready.seq in seqs]
+        for ready, stream in lent:
+            stream.give_back(client, seqs, [ready])
+
     def lent(self) -> int:
         """Batches lent out."""
         with self._lock:

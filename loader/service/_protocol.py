@@ -35,7 +35,7 @@ import msgpack
 
 from .._errors import OmnifeedError, describe_uid
 
-PROTOCOL = 2  # 2: batch frames carry a layout and their keys as one blob
+PROTOCOL = 3  # 2: batch frames carry a layout and their keys as one blob; 3: a goodbye gives back batches unused
 MAX_REQUEST_BYTES = 1 << 20  # client → service: control messages and re-sent audit records
 MAX_REPLY_BYTES = 256 << 20  # service → client: batch headers carry strings and meta fields
 MAX_FDS = 16

@@ -220,6 +220,7 @@ class FeedService:
             send(connection.sock, {"op": "length", "micro_batches": self.handshake.length(message)})
         elif op == "bye":
             connection.said_bye = True
+            self._give_back(connection, message.get("returned", []))  # before the release: the batches are kept
             self._release(connection.token, message.get("release", []))
             self._leave_stream(connection)  # before the reply: a resizing client's next hello finds it gone
             send(connection.sock, {"op": "bye"})
@@ -234,7 +235,9 @@ class FeedService:
         connection.token = hello.token
         if hello.attempt is None and hello.resume is not None:
             self._record_gone_clients()
-        connection.attempt = since = self.attempts.join(hello.attempt, hello.resume, hello.position)
+        connection.attempt = since = self.attempts.join(
+            hello.attempt, hello.resume, hello.position, self._running_attempts(connection)
+        )
         stream.attach(connection.id, hello.token, hello.rank, hello.position, since, hello.group)
         connection.stream = stream
         return {
@@ -253,14 +256,19 @@ class FeedService:
 
     def _release(self, token: str, released: Any) -> None:
         """The client's trainer dropped these batches (numbers are unique in this service, across streams)."""
-        if not isinstance(released, list) or len(released) > 4096 or not all(isinstance(s, int) for s in released):
-            raise RequestError("protocol", "'release' must be a list of at most 4096 batch numbers")
-        if not released:
+        wanted = _batch_numbers(released, "release")
+        if not wanted:
             return
-        wanted = set(released)
         for stream in self.streams.streams():
             stream.release(token, wanted)
         self.ledger.release(token, wanted)
+
+    def _give_back(self, connection: Connection, returned: Any) -> None:
+        """The client received these batches ahead and its trainer never had them: their deliveries are taken back."""
+        seqs = _batch_numbers(returned, "returned")
+        if seqs and connection.stream is not None:
+            connection.stream.give_back(connection.id, seqs)
+            self.ledger.give_back(connection.id, seqs)
 
     def _leave_stream(self, connection: Connection) -> None:
         stream, connection.stream = connection.stream, None
@@ -282,6 +290,12 @@ class FeedService:
             # reads looks like a crash, and a peer joining later opens a new attempt that rolls this one back
             if other.attempt is not None and peer_gone(other.sock) and not (other.said_bye or other.timed_out):
                 self.attempts.crashed(other.attempt)
+
+    def _running_attempts(self, connection: Connection) -> set[str]:
+        """The attempts of the other connected clients (whose process is alive)."""
+        with self._lock:
+            connections = [c for c in self._connections.values() if c is not connection]
+        return {c.attempt for c in connections if c.attempt is not None and not peer_gone(c.sock)}
 
     def _disconnect(self, connection: Connection) -> None:
         with self._lock:
@@ -313,6 +327,13 @@ class FeedService:
             "handed_over": self.ledger.handed_over,
             **({"remote": self.reader.remote.snapshot()} if self.reader.remote is not None else {}),
         }
+
+
+def _batch_numbers(numbers: Any, field: str) -> set[int]:
+    """A request's list of batch numbers, checked (`RequestError` ``protocol``)."""
+    if not isinstance(numbers, list) or len(numbers) > 4096 or not all(isinstance(s, int) for s in numbers):
+        raise RequestError("protocol", f"{field!r} must be a list of at most 4096 batch numbers")
+    return set(numbers)
 
 
 def _pool_error(exc: BaseException) -> None:

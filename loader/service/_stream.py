@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,7 +59,8 @@ class Ready:
     takers: set[int] = field(default_factory=set)
     holders: set[str] = field(default_factory=set)  # tokens of the clients whose trainer still holds its tensors
     abandoned: bool = False  # a client left holding it: its segment is never reused (the client may still read it)
-    audited: bool = False
+    logged: set[str | None] = field(default_factory=set)  # the attempts its delivery is logged under
+    returned: set[int] = field(default_factory=set)  # clients that gave it back unused (received ahead, never yielded)
 
 
 @dataclass(eq=False)
@@ -75,6 +76,12 @@ class _Attached:
     batches: int = 0
     waited_s: float = 0.0
     last_wait_s: float = 0.0
+
+
+def returned_record(record: dict[str, Any], since: str | None) -> dict[str, Any]:
+    """The audit record that takes back the delivery ``record`` logged under ``since``: no trainer had it."""
+    fields = ("epoch", "step", "rank", "accum", "micro_batch", "topology_version")
+    return {"returned": since, **{name: record[name] for name in fields if name in record}, "keys": []}
 
 
 class Stream:
@@ -291,9 +298,25 @@ class Stream:
             return found
 
     def _audit(self, ready: Ready, since: str | None) -> None:
-        if not ready.audited:
-            ready.audited = True
+        """Log the delivery once per attempt: peers of one attempt share it; a client of a new attempt taking a batch
+        that a crashed one took (still held by its dead client) needs its own record, which its marker keeps."""
+        if since not in ready.logged:
+            ready.logged.add(since)
             self.context.audit({**ready.record, "since": since})
+
+    def give_back(self, client: int, seqs: set[int], lent: Sequence[Ready] = ()) -> None:
+        """The client received these batches (of this stream's, or ``lent``) and its trainer never had them: once
+        every client that took one gave it back, its delivery is logged as returned (and logged again if a peer
+        takes it later)."""
+        with self._cond:
+            for ready in [*self.ready, *lent]:
+                if ready.seq not in seqs or client not in ready.takers:
+                    continue
+                ready.returned.add(client)
+                if ready.returned >= ready.takers:
+                    for since in ready.logged:
+                        self.context.audit(returned_record(ready.record, since))
+                    ready.logged.clear()
 
     def _done_with(self, ready: Ready) -> bool:
         """No client of the group needs this batch any more (holders aside)."""

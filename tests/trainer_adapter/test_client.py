@@ -128,9 +128,10 @@ def test_tensor_parallel_peers_get_identical_batches_read_and_decoded_once(index
         for _ in reference:
             pass
         once = reference.metrics()["modalities"]
-    # Read and decoded once: what one in-process feed decodes for the epoch, plus the stream's one batch ahead
-    # and its pipeline's one step ahead (a second decode per peer would double the counts).
-    ahead = 2 * 4
+    # Read and decoded once: what one in-process feed decodes for the epoch, plus the stream's one batch ahead,
+    # its pipeline's one step ahead and the batch each client receives ahead (a second decode per peer would double
+    # the counts).
+    ahead = 3 * 4
     for modality in ("image", "text", "audio", "video"):
         assert (
             once[modality]["decoded"]
@@ -295,3 +296,43 @@ def test_a_busy_service_is_reported_as_busy(index_dir: Path) -> None:
             FeedClient(running.address, reconnect_timeout_s=1).next_batch()
     message = str(refused.value)
     assert "busy" in message and "no omnifeed service" not in message and "BrokenPipe" not in message
+
+
+@pytest.mark.parametrize("receive_ahead", [0, 1, 3])
+def test_batches_received_ahead_and_never_yielded_are_not_counted_as_delivered(
+    own_service: ServiceProcess, index_dir: Path, tmp_path: Path, receive_ahead: int
+) -> None:
+    with FeedClient(str(own_service.socket), receive_ahead=receive_ahead) as client:
+        epoch = [batch["__key__"] for batch in client]  # then the next epoch's first batches wait, received ahead
+        middle = client.state_dict()
+        assert client.epoch == 1 and len(client) == len(epoch)
+        second = [client.next_batch()["__key__"] for _ in range(2)]
+        served(own_service, len(epoch) + 2 + receive_ahead)  # the client holds `receive_ahead` more
+        client.load_state_dict(middle)  # a resume gives the batches ahead back: the same two come again
+        assert [client.next_batch()["__key__"] for _ in range(2)] == second
+    own_service.stop()
+    assert epoch == planned_keys(index_dir, 1, 0)
+    records = list(read_delivery_logs([tmp_path / "audit.jsonl"]))
+    assert verify_coverage(SampleIndex(index_dir), 0, records).ok
+    report = verify_coverage(SampleIndex(index_dir), 1, records)  # what the trainer was handed of epoch 1
+    assert (report.delivered, report.duplicates) == (4 * 2, 0)
+    assert any("returned" in r for r in records) == (receive_ahead > 0)
+
+
+def served(service: ServiceProcess, batches: int) -> None:
+    """Wait until the service has handed its client ``batches`` batches."""
+    deadline = time.monotonic() + 60
+    while sum(c["batches"] for c in request_metrics(str(service.socket))["clients"]) < batches:
+        assert time.monotonic() < deadline, "the client did not receive its batches ahead"
+        time.sleep(0.02)
+
+
+def test_close_ends_a_reconnection_in_progress_on_the_thread_ahead(index_dir: Path, tmp_path: Path) -> None:
+    service = start_service(index_dir, tmp_path)
+    client = FeedClient(str(service.socket), reconnect_timeout_s=3600)
+    client.next_batch()
+    service.stop()  # the thread ahead now waits for the service to come back, for up to an hour
+    closing = threading.Thread(target=client.close)
+    closing.start()
+    closing.join(120)
+    assert not closing.is_alive()

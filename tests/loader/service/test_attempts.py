@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from omnifeed.loader.feed import FeedPosition
+from omnifeed.loader.plan._audit import delivered_keys  # what `omnifeed verify` counts
 from omnifeed.loader.service._attempts import AttemptLog
 
 
@@ -71,3 +72,23 @@ def test_a_crash_ends_only_its_own_attempt(tmp_path: Path) -> None:
     assert log.join(None, "four", state(4)) != at_four
     log.close()
     assert [r["step"] for r in lines(tmp_path / "audit.jsonl")] == [4, 8, 4]
+
+
+def test_a_marker_names_the_attempts_still_running_and_verify_keeps_their_deliveries(tmp_path: Path) -> None:
+    log = AttemptLog(str(tmp_path / "audit.jsonl"))
+    staying = log.join(None, "start", state(0))  # a rank that stays while new ranks join from its checkpoint
+    crashed = log.join(None, "other", state(0))
+    assert staying is not None and crashed is not None
+    log.crashed(crashed)
+
+    def delivery(step: int, since: str) -> dict[str, Any]:
+        keys = [f"k{step}-{since[:5]}"]
+        return {"epoch": 0, "step": step, "rank": 0, "accum": 0, "micro_batch": step, "keys": keys, "since": since}
+
+    log.write(delivery(7, staying))  # the staying rank's next batch, received before the joiners' marker
+    log.write(delivery(7, crashed))  # never committed: the attempt crashed
+    joined = log.join(None, "saved", state(7), running={staying, crashed})
+    log.close()
+    marker = lines(tmp_path / "audit.jsonl")[-1]
+    assert marker["resume"] == joined and marker["live"] == [staying]  # a crashed attempt is not running
+    assert delivered_keys(0, lines(tmp_path / "audit.jsonl"))[0] == [f"k7-{staying[:5]}"]

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from omnifeed.loader import MODALITIES, Feed, FeedConfig, PlanConfig
+from omnifeed.loader import MODALITIES, Feed, FeedConfig, PlanConfig, verify_coverage
 from omnifeed.loader.feed import DecodeEngine, FeedPosition
 from omnifeed.loader.index import SampleIndex
 from omnifeed.loader.plan import Plan
@@ -92,6 +92,48 @@ def test_peers_of_a_group_get_the_same_batch_audited_once(parts) -> None:
         stream.close()
     assert first is second and first.takers == {1, 2} and first.holders == {"token-1", "token-2"}
     assert len(seen.audited) == 1
+
+
+def test_a_batch_given_back_by_every_peer_that_took_it_is_logged_returned_and_again_when_taken_later(
+    parts, index_dir: Path
+) -> None:
+    context, seen = parts
+    stream = start(context, group=3)
+    try:
+        for client in (1, 2, 3):
+            attach(stream, client, group=3)
+        first = take(stream, 1)
+        take(stream, 2)
+        stream.give_back(1, {first.seq})  # peer 2's trainer has it: the delivery stands
+        assert len(seen.audited) == 1
+        stream.give_back(2, {first.seq})  # every taker gave it back: no trainer had it
+        assert seen.audited[-1] == {
+            "returned": "a1",
+            **{f: first.record[f] for f in ("epoch", "step", "rank", "accum", "micro_batch", "topology_version")},
+            "keys": [],
+        }
+        take(stream, 3)  # a peer that had not taken it yet does: delivered after all
+        stream.give_back(3, {first.seq + 1000})  # numbers it never took change nothing
+    finally:
+        stream.close()
+    assert [("returned" in r, r["micro_batch"]) for r in seen.audited] == [(False, 0), (True, 0), (False, 0)]
+    report = verify_coverage(SampleIndex(index_dir), 0, seen.audited)  # what `omnifeed verify` counts
+    assert (report.delivered, report.duplicates) == (len(first.record["keys"]), 0)
+
+
+def test_a_batch_a_crashed_client_still_holds_is_logged_again_for_the_attempt_that_takes_it(parts) -> None:
+    context, seen = parts
+    stream = start(context)
+    try:
+        start_position = stream.head
+        attach(stream, 1)  # attempt a1: takes two batches, holds them, and is killed (its end not yet seen)
+        crashed = [take(stream, 1), take(stream, 1)]
+        stream.attach(2, "token-2", 0, start_position, since="a2")  # the restart, from the same checkpoint
+        again = [take(stream, 2), take(stream, 2)]
+    finally:
+        stream.close()
+    assert again == crashed  # the batches still held are served again, not produced anew
+    assert [(r["micro_batch"], r["since"]) for r in seen.audited] == [(0, "a1"), (1, "a1"), (0, "a2"), (1, "a2")]
 
 
 def test_a_client_at_an_earlier_position_restarts_production_there_and_held_batches_are_lent(parts) -> None:
