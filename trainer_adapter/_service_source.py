@@ -164,7 +164,7 @@ class ServiceSource:
         weights when ``allow_mixture_change``)."""
         with self._quiet():
             self._goodbye()
-            self._state, self._position, self._cursor = dict(state), None, dict(state)
+            self._state, self._position = dict(state), None
             self._allow_mixture_change = allow_mixture_change
             self._resumed_from = checkpoint_digest(state)
             self._attempt = None

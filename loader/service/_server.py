@@ -51,7 +51,7 @@ from ._handshake import Handshake
 from ._ledger import BatchLedger
 from ._listener import Listener
 from ._protocol import PROTOCOL, RequestError, send
-from ._stream import StreamContext
+from ._stream import Stream, StreamContext
 from ._streams import Resizes, StreamTable
 
 log = logging.getLogger("omnifeed.service")
@@ -231,15 +231,16 @@ class FeedService:
 
     def _hello(self, connection: Connection, message: dict[str, Any]) -> dict[str, Any]:
         hello = self.handshake.hello(message, f"connection-{connection.id}")
-        stream = self.streams.open(hello.key, hello.group, hello.position)
         connection.token = hello.token
         if hello.attempt is None and hello.resume is not None:
             self._record_gone_clients()
-        connection.attempt = since = self.attempts.join(
-            hello.attempt, hello.resume, hello.position, self._running_attempts(connection)
-        )
-        stream.attach(connection.id, hello.token, hello.rank, hello.position, since, hello.group)
-        connection.stream = stream
+        since = self.attempts.join(hello.attempt, hello.resume, hello.position, self._running_attempts(connection))
+
+        def attach(stream: Stream) -> None:
+            stream.attach(connection.id, hello.token, hello.rank, hello.position, since, hello.group)
+
+        connection.stream = self.streams.open(hello.key, hello.group, hello.position, attach)
+        connection.attempt = since  # only now: a hello refused (busy, position) is no crash of the attempt
         return {
             "op": "welcome",
             "protocol": PROTOCOL,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..feed import FeedPosition
@@ -64,8 +65,10 @@ class StreamTable:
         self._streams: dict[Key, Stream] = {}
         self._topology: tuple[int, int] | None = None  # (data-parallel size, accumulation) of the newest stream
 
-    def open(self, key: Key, group: int, start: FeedPosition) -> Stream:
-        """The stream of ``key``, created at ``start`` for a peer group of ``group`` if there is none (or it closed)."""
+    def open(self, key: Key, group: int, start: FeedPosition, attach: Callable[[Stream], None]) -> Stream:
+        """The stream of ``key``, created at ``start`` for a peer group of ``group`` if there is none (or it closed),
+        with its client attached by ``attach`` before the table lets go: `close_idle` never closes a stream between its
+        opening and its first client."""
         dp_world, _, accum = key
         with self._changing:  # a topology change: the old streams hand over before any new stream plans ahead
             with self._lock:
@@ -95,6 +98,7 @@ class StreamTable:
                         )
                     stream = self._streams[key] = Stream(self._context, key, group, start)
                     stream.resize_started = self._resizes.started
+                attach(stream)  # may refuse (`RequestError`): a new stream stays, idle, for `close_idle`
             for gone in evicted:
                 threading.Thread(target=gone.close, name="omnifeed-evict", daemon=True).start()
         return stream

@@ -207,7 +207,8 @@ def test_prometheus_and_omnifeed_stats_show_the_running_service(
         socket=str(short_socket_dir() / "feed.sock"),
         metrics_port=0,
     )
-    with FeedService(config) as service, FeedClient(service.address, rank=0, world_size=1) as client:
+    # receive_ahead=0: the client asks for exactly the batches its trainer takes, so the service has handed out 3
+    with FeedService(config) as service, FeedClient(service.address, rank=0, world_size=1, receive_ahead=0) as client:
         for _ in range(3):
             client.next_batch()
         assert service.metrics_port

@@ -18,8 +18,10 @@ from omnifeed.loader import MODALITIES, Feed, FeedConfig, PlanConfig, verify_cov
 from omnifeed.loader.feed import DecodeEngine, FeedPosition
 from omnifeed.loader.index import SampleIndex
 from omnifeed.loader.plan import Plan
+from omnifeed.loader.service._ledger import BatchLedger
 from omnifeed.loader.service._protocol import RequestError, decode
 from omnifeed.loader.service._stream import Ready, Stream, StreamContext
+from omnifeed.loader.service._streams import Resizes, StreamTable
 
 CONFIG = FeedConfig(plan=PlanConfig(seed=3, batch_size=4))  # the demo index: 48 samples, 12 micro-batches an epoch
 
@@ -219,3 +221,23 @@ def test_close_stops_the_producer_frees_every_segment_and_refuses_takers(parts) 
     with pytest.raises(RequestError) as refused:
         take(stream, 1)
     assert refused.value.code == "closing"
+
+
+def test_an_idle_sweep_never_closes_a_stream_between_its_opening_and_its_first_client(parts) -> None:
+    context, _ = parts
+    table = StreamTable(context, BatchLedger(context.index), Resizes(), max_clients=8, max_dealt=1 << 20)
+    swept = threading.Event()
+    start_at = FeedPosition.start(context.shared.plan, world_size=1, grad_accum=1)
+
+    def attach(stream: Stream) -> None:  # a sweep of idle streams (`stream_idle_s: 0`) at the worst moment
+        threading.Thread(target=lambda: (table.close_idle(0), swept.set())).start()
+        swept.wait(0.2)
+        stream.attach(1, "token-1", 0, start_at, since="a1")
+
+    try:
+        stream = table.open((1, 0, 1), 1, start_at, attach)
+        swept.wait()
+        assert not stream.closed  # its client is attached: the sweep found it busy
+        assert take(stream, 1).before == start_at
+    finally:
+        table.close()
