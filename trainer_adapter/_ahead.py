@@ -118,10 +118,9 @@ class BatchesAhead(Generic[Item]):
                 if self._stopped:
                     return
                 self._items.put(item)
-            if isinstance(item, _Failed):  # fetch nothing more until the trainer has seen the error
-                del item
+            failed = isinstance(item, _Failed)
+            del item  # the queue holds it now
+            if failed:  # fetch nothing more until the trainer has seen the error
                 self._failure_taken.wait()
                 self._failure_taken.clear()
                 self._credits.put(None)  # the failed fetch's credit
-            else:
-                del item

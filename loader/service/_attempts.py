@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import threading
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import IO, Any
 
 from ..feed import FeedPosition
@@ -50,14 +50,18 @@ class AttemptLog:
         self._attempts: dict[str, tuple[str, bool]] = {}  # checkpoint digest -> (its latest attempt, crashed)
 
     def join(
-        self, attempt: str | None, resume: str | None, position: FeedPosition, running: Collection[str] = ()
+        self,
+        attempt: str | None,
+        resume: str | None,
+        position: FeedPosition,
+        running: Callable[[], Collection[str]] = frozenset,
     ) -> str | None:
         """The attempt a client's deliveries belong to.
 
         ``attempt``: the one the client already knows (it reconnects, to this service or a
         restarted one): kept. Else ``resume``: the digest of the checkpoint it just loaded; it
         joins the attempt that loaded it, unless that attempt crashed; else a new attempt opens
-        and a resume marker at ``position`` (the client's) is logged, naming the attempts of ``running`` (those
+        and a resume marker at ``position`` (the client's) is logged, naming the attempts ``running()`` returns (those
         with a client connected) that did not crash. None: neither.
         """
         with self._lock:
@@ -69,7 +73,7 @@ class AttemptLog:
             opened = f"{resume}-{uuid.uuid4().hex[:8]}"
             over = {known for known, crashed in self._attempts.values() if crashed}
             self._attempts[resume] = (opened, False)
-            self._write(resume_marker(opened, position, sorted(set(running) - over)))
+            self._write(resume_marker(opened, position, sorted(set(running()) - over)))  # asked only here
             return opened
 
     def crashed(self, attempt: str) -> None:

@@ -234,7 +234,9 @@ class FeedService:
         connection.token = hello.token
         if hello.attempt is None and hello.resume is not None:
             self._record_gone_clients()
-        since = self.attempts.join(hello.attempt, hello.resume, hello.position, self._running_attempts(connection))
+        since = self.attempts.join(
+            hello.attempt, hello.resume, hello.position, lambda: self._running_attempts(connection)
+        )
 
         def attach(stream: Stream) -> None:
             stream.attach(connection.id, hello.token, hello.rank, hello.position, since, hello.group)

@@ -87,7 +87,7 @@ def test_a_marker_names_the_attempts_still_running_and_verify_keeps_their_delive
 
     log.write(delivery(7, staying))  # the staying rank's next batch, received before the joiners' marker
     log.write(delivery(7, crashed))  # never committed: the attempt crashed
-    joined = log.join(None, "saved", state(7), running={staying, crashed})
+    joined = log.join(None, "saved", state(7), running=lambda: {staying, crashed})
     log.close()
     marker = lines(tmp_path / "audit.jsonl")[-1]
     assert marker["resume"] == joined and marker["live"] == [staying]  # a crashed attempt is not running
