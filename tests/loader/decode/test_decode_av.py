@@ -169,3 +169,31 @@ def test_audio_keeps_the_tone() -> None:
     audio = decode_audio(buf.getvalue(), AudioDecodeConfig(sample_rate=16000))[0]
     peak = np.argmax(np.abs(np.fft.rfft(audio))) * 16000 / audio.size
     assert abs(peak - 440) < 5 and abs(np.abs(audio).max() - 0.5) < 0.02
+
+
+def _ffmpeg_reference(data: bytes, config: AudioDecodeConfig) -> np.ndarray:
+    """Every decoded frame through one ``av.AudioResampler``, flushed: FFmpeg's own conversion."""
+    layout = "mono" if config.channels == 1 else "stereo"
+    resampler = av.AudioResampler(format="fltp", layout=layout, rate=config.sample_rate)
+    with av.open(io.BytesIO(data)) as container:
+        chunks = [out.to_ndarray() for frame in container.decode(audio=0) for out in resampler.resample(frame)]
+    chunks += [out.to_ndarray() for out in resampler.resample(None)]
+    return np.clip(np.concatenate(chunks, axis=1).astype(np.float32), -1.0, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("rate", "channels", "config"),
+    [
+        (16000, 1, AudioDecodeConfig()),  # already the output's rate and layout: converted by numpy
+        (16000, 2, AudioDecodeConfig(channels=2)),
+        (22050, 2, AudioDecodeConfig()),  # resampled and downmixed by FFmpeg
+        (16000, 2, AudioDecodeConfig()),
+        (44100, 1, AudioDecodeConfig(channels=2, sample_rate=22050)),
+    ],
+)
+def test_audio_samples_are_ffmpegs_to_the_bit(rate: int, channels: int, config: AudioDecodeConfig) -> None:
+    data = encode_flac(1.7, rate, channels, seed=rate + channels)
+    out = decode_audio(data, config)
+    reference = _ffmpeg_reference(data, config)
+    assert out.dtype == np.float32 and out.shape == reference.shape
+    assert np.array_equal(out, reference)
