@@ -114,7 +114,8 @@ class SampleIndex:
         self.fingerprint: str = self.manifest["fingerprint"]
         self._rows = MappedRows(self.path, self.manifest["partitions"], ROW_SCHEMA, INDEX_FORMAT)
         self._chunk_starts = self._rows.chunk_starts
-        self._sample_batches: dict[int, pa.RecordBatch] = {}  # per chunk: its sample columns, checked
+        # per chunk: its sample columns, checked, as a batch and as arrays (`RecordBatch.columns` wraps anew each call)
+        self._sample_batches: dict[int, tuple[pa.RecordBatch, list[pa.Array]]] = {}
         self.shards, self.shard_sizes = _read_shards(self.path / SHARDS, self.num_samples)
         self.by_shard: np.ndarray = _map_by_shard(self.path / BY_SHARD, self.num_samples)
         self._length_rows = LengthRows.open(self.path / LENGTH_ROWS, self.num_samples, LENGTH_COLUMNS)
@@ -189,30 +190,38 @@ class SampleIndex:
         return self._to_sample(position, {name: self._chunk(name, chunk)[offset].as_py() for name in _SAMPLE_COLUMNS})
 
     def samples(self, positions: np.ndarray | list[int]) -> list[IndexedSample]:
-        """`sample` for many positions at once: one take of whole rows per mapped chunk the positions touch
-        (a take per column and chunk cost ~14x more calls: the feed's planner held the GIL for it)."""
+        """`sample` for many positions at once, grouped by the mapped chunk they fall in: a few rows of a chunk
+        are read as scalars, more with one take of whole rows (a take per column and chunk cost ~14x more
+        calls: the feed's planner held the GIL for it)."""
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
             raise IndexError(f"positions outside the index's {self.num_samples} samples")
         chunk_of = np.searchsorted(self._chunk_starts, positions, side="right") - 1
         order = np.argsort(chunk_of, kind="stable")
-        pieces = []
+        out: list[IndexedSample | None] = [None] * positions.size
         for group in np.split(order, np.flatnonzero(np.diff(chunk_of[order])) + 1) if positions.size else []:
             chunk = int(chunk_of[group[0]])
-            pieces.append(self._samples_of(chunk).take(pa.array(positions[group] - self._chunk_starts[chunk])))
-        rows = pa.Table.from_batches(pieces, schema=_SAMPLE_SCHEMA).to_pylist()
-        out: list[IndexedSample | None] = [None] * positions.size
-        for i, row in zip(order.tolist(), rows):
-            out[i] = self._to_sample(int(positions[i]), row)
+            batch, columns = self._samples_of(chunk)
+            offsets = positions[group] - self._chunk_starts[chunk]
+            if group.size < _TAKE_FROM_ROWS:
+                rows = [
+                    {name: column[offset].as_py() for name, column in zip(_SAMPLE_COLUMNS, columns)}
+                    for offset in offsets.tolist()
+                ]
+            else:
+                rows = batch.take(pa.array(offsets)).to_pylist()
+            for i, row in zip(group.tolist(), rows):
+                out[i] = self._to_sample(int(positions[i]), row)
         return out  # type: ignore[return-value]
 
-    def _samples_of(self, chunk: int) -> pa.RecordBatch:
-        """Chunk ``chunk``'s sample columns, each validated before its values are read."""
+    def _samples_of(self, chunk: int) -> tuple[pa.RecordBatch, list[pa.Array]]:
+        """Chunk ``chunk``'s sample columns (the batch, and its arrays), each validated before its values are read."""
         found = self._sample_batches.get(chunk)
         if found is None:
             for name in _SAMPLE_COLUMNS:
                 self._chunk(name, chunk)
-            found = self._sample_batches[chunk] = self._rows.batch(chunk).select(list(_SAMPLE_COLUMNS))
+            batch = self._rows.batch(chunk).select(list(_SAMPLE_COLUMNS))
+            found = self._sample_batches[chunk] = (batch, batch.columns)
         return found
 
     def _to_sample(self, position: int, row: dict[str, Any]) -> IndexedSample:
@@ -239,7 +248,9 @@ class SampleIndex:
 
 _PARTITION_FILE = re.compile(r"part-\d{5,}\.parquet")
 _SAMPLE_COLUMNS = ("key", "shard", "fields", "row_group", "row", *LENGTH_COLUMNS)
-_SAMPLE_SCHEMA = pa.schema([ROW_SCHEMA.field(name) for name in _SAMPLE_COLUMNS])
+# From this many rows of one chunk, a take (~0.1 ms a call, whatever the rows) and `to_pylist` beat reading
+# scalars (~13 µs a row); under it, as when a micro-batch's few samples each fall in a different chunk, scalars win.
+_TAKE_FROM_ROWS = 12
 
 
 def _is_count(value: Any) -> bool:

@@ -10,6 +10,8 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import xxhash
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from omnifeed.loader import IndexConfig, IndexFormatError, SampleIndex, SourceError, build_index, read_field
 
@@ -252,3 +254,18 @@ def test_storage_errors_are_retried_then_reported(
     else:
         with pytest.raises(SourceError, match="storage error after 3 attempts.*injected storage error"):
             build_index([url], tmp_path / "index", IndexConfig(workers=1), progress=False)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_samples_of_any_positions_are_each_positions_sample(tar_index: SampleIndex, data: st.DataObject) -> None:
+    # a few rows of a chunk are read as scalars, many with one take: both must give `sample`'s answer, in order
+    n = tar_index.num_samples
+    positions = data.draw(
+        st.one_of(
+            st.lists(st.integers(0, n - 1), max_size=40),  # scattered: a row or two per chunk
+            st.permutations(range(n)),  # whole chunks
+            st.integers(0, n - 1).flatmap(lambda start: st.just(list(range(start, min(n, start + 30))))),
+        )
+    )
+    assert tar_index.samples(positions) == [tar_index.sample(p) for p in positions]
