@@ -101,8 +101,11 @@ def test_prefetched_batches_are_handed_over_to_the_new_ranks_not_decoded_again(i
     with FeedService(config) as service:
         ranks = [FeedClient(config.socket, rank=r, world_size=2) for r in range(2)]
         step(ranks)
-        for _ in range(600):  # the streams read ahead in the background: how soon depends on the machine's load
-            if service.metrics()["samples"] > 2 * 2:
+        # The streams read ahead in the background (how soon depends on the machine's load). Each client holds the
+        # batch it took and the one it received ahead (2 ranks x 2 batches x 2 samples): wait for twice that, so
+        # the streams have batches of their own ready, which the resize must hand over.
+        for _ in range(600):
+            if service.metrics()["samples"] >= 2 * 2 * 2 * 2:
                 break
             time.sleep(0.1)
         ranks[1].close()
@@ -113,7 +116,7 @@ def test_prefetched_batches_are_handed_over_to_the_new_ranks_not_decoded_again(i
         snapshot = service.metrics()
     assert snapshot["handed_over"] >= 1  # (how many the old streams had prefetched depends on load)
     assert snapshot["last_resize_s"] > 0
-    assert prefetched > 2 * 2  # (the streams had read ahead before the resize)
+    assert prefetched >= 2 * 2 * 2 * 2  # (the streams had read ahead before the resize)
     report = verify_coverage(SampleIndex(index_dir), 0, read_delivery_logs([tmp_path / "audit.jsonl"]))
     assert report.ok, report.to_json()
 
