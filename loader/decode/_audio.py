@@ -114,6 +114,10 @@ class _Decoded:
         self.runs: list[tuple[tuple[str, str, int], list[np.ndarray]]] = []
         self.source_total = 0.0
 
+    def too_long(self) -> DecodeError:
+        """The error for more samples than ``max_seconds`` (with its 20 ms of slack) at the output rate."""
+        return DecodeError(f"more than {self.limit} samples after resampling", self.key, "audio", "too_long")
+
     def add(self, frame: Any) -> None:
         signature = (frame.format.name, frame.layout.name, int(frame.sample_rate))
         if not self.runs or self.runs[-1][0] != signature:
@@ -121,7 +125,7 @@ class _Decoded:
         self.runs[-1][1].append(frame.to_ndarray())
         self.source_total += frame.samples * self.rate / signature[2]
         if self.source_total > self.limit:
-            raise DecodeError(f"more than {self.limit} samples after resampling", self.key, "audio", "too_long")
+            raise self.too_long()
 
 
 def _as_output(
@@ -135,7 +139,7 @@ def _as_output(
     joined = np.concatenate(arrays, axis=1)
     if not fmt.endswith("p"):  # packed: [1, samples × channels], interleaved
         joined = joined.reshape(-1, config.channels).T
-    out = joined.astype(np.float32)
+    out = joined.astype(np.float32, order="C")  # C order: a packed stereo transpose would otherwise stay F-ordered
     if scale != 1.0:
         out *= np.float32(scale)
     return out
@@ -144,7 +148,7 @@ def _as_output(
 def _resampled(signature: tuple[str, str, int], arrays: list[np.ndarray], resampler: Any) -> list[np.ndarray]:
     """One run of decoded arrays through ``resampler`` as one frame (a call per packet costs ~10× more)."""
     fmt, layout, rate = signature
-    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(np.concatenate(arrays, axis=1)), format=fmt, layout=layout)
+    frame = av.AudioFrame.from_ndarray(np.concatenate(arrays, axis=1), format=fmt, layout=layout)
     frame.sample_rate = rate
     return [out.to_ndarray() for out in resampler.resample(frame)]
 
@@ -178,9 +182,8 @@ def _decode_stream(container: Any, config: AudioDecodeConfig, key: str) -> np.nd
         resampler = av.AudioResampler(format="fltp", layout=_LAYOUT[config.channels], rate=config.sample_rate)
         chunks = [chunk for run in decoded.runs for chunk in _resampled(*run, resampler)]
         chunks += [out.to_ndarray() for out in resampler.resample(None)]  # the resampler's buffered tail
-        total = sum(chunk.shape[1] for chunk in chunks)
-        if total > decoded.limit:
-            raise DecodeError(f"more than {decoded.limit} samples after resampling", key, "audio", "too_long")
+        if sum(chunk.shape[1] for chunk in chunks) > decoded.limit:
+            raise decoded.too_long()
         direct = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
     if direct.shape[1] == 0:
         raise DecodeError("no audio samples could be decoded", key, "audio", "corrupt")

@@ -186,8 +186,7 @@ class SampleIndex:
         if not 0 <= position < self.num_samples:
             raise IndexError(f"position {position} outside the index's {self.num_samples} samples")
         chunk = int(np.searchsorted(self._chunk_starts, position, side="right") - 1)
-        offset = position - int(self._chunk_starts[chunk])
-        return self._to_sample(position, {name: self._chunk(name, chunk)[offset].as_py() for name in _SAMPLE_COLUMNS})
+        return self._to_sample(position, _row(self._samples_of(chunk)[1], position - int(self._chunk_starts[chunk])))
 
     def samples(self, positions: np.ndarray | list[int]) -> list[IndexedSample]:
         """`sample` for many positions at once, grouped by the mapped chunk they fall in: a few rows of a chunk
@@ -204,10 +203,7 @@ class SampleIndex:
             batch, columns = self._samples_of(chunk)
             offsets = positions[group] - self._chunk_starts[chunk]
             if group.size < _TAKE_FROM_ROWS:
-                rows = [
-                    {name: column[offset].as_py() for name, column in zip(_SAMPLE_COLUMNS, columns)}
-                    for offset in offsets.tolist()
-                ]
+                rows = [_row(columns, offset) for offset in offsets.tolist()]
             else:
                 rows = batch.take(pa.array(offsets)).to_pylist()
             for i, row in zip(group.tolist(), rows):
@@ -251,6 +247,11 @@ _SAMPLE_COLUMNS = ("key", "shard", "fields", "row_group", "row", *LENGTH_COLUMNS
 # From this many rows of one chunk, a take (~0.1 ms a call, whatever the rows) and `to_pylist` beat reading
 # scalars (~13 µs a row); under it, as when a micro-batch's few samples each fall in a different chunk, scalars win.
 _TAKE_FROM_ROWS = 12
+
+
+def _row(columns: list[pa.Array], offset: int) -> dict[str, Any]:
+    """The sample columns' values at ``offset`` of a chunk, read as scalars."""
+    return {name: column[offset].as_py() for name, column in zip(_SAMPLE_COLUMNS, columns)}
 
 
 def _is_count(value: Any) -> bool:

@@ -195,5 +195,5 @@ def test_audio_samples_are_ffmpegs_to_the_bit(rate: int, channels: int, config: 
     data = encode_flac(1.7, rate, channels, seed=rate + channels)
     out = decode_audio(data, config)
     reference = _ffmpeg_reference(data, config)
-    assert out.dtype == np.float32 and out.shape == reference.shape
+    assert out.dtype == np.float32 and out.shape == reference.shape and out.flags.c_contiguous
     assert np.array_equal(out, reference)
