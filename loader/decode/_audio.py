@@ -145,12 +145,36 @@ def _as_output(
     return out
 
 
-def _resampled(signature: tuple[str, str, int], arrays: list[np.ndarray], resampler: Any) -> list[np.ndarray]:
-    """One run of decoded arrays through ``resampler`` as one frame (a call per packet costs ~10× more)."""
+def _resampled(
+    signature: tuple[str, str, int], arrays: list[np.ndarray], config: AudioDecodeConfig
+) -> list[np.ndarray]:
+    """One run of decoded arrays through FFmpeg's resampler as one frame, then its flush: float32 planar chunks.
+
+    The filter graph PyAV's ``AudioResampler`` builds (abuffer, aformat, abuffersink: FFmpeg inserts
+    the resampler), on one thread: left to FFmpeg's default, each graph starts and stops a thread
+    per core for every clip, which costs more than the resampling does here.
+    """
     fmt, layout, rate = signature
     frame = av.AudioFrame.from_ndarray(np.concatenate(arrays, axis=1), format=fmt, layout=layout)
     frame.sample_rate = rate
-    return [out.to_ndarray() for out in resampler.resample(frame)]
+    graph = av.filter.Graph()
+    graph.threads = 1
+    source = graph.add("abuffer", sample_rate=str(rate), sample_fmt=fmt, channel_layout=layout)
+    convert = graph.add(
+        "aformat", sample_rates=str(config.sample_rate), sample_fmts="fltp", channel_layouts=_LAYOUT[config.channels]
+    )
+    sink = graph.add("abuffersink")
+    source.link_to(convert)
+    convert.link_to(sink)
+    graph.configure()
+    graph.push(frame)
+    graph.push(None)  # end of stream: the resampler's buffered tail comes out too
+    chunks = []
+    while True:
+        try:
+            chunks.append(graph.pull().to_ndarray())
+        except (EOFError, BlockingIOError):
+            return chunks
 
 
 def _decode_stream(container: Any, config: AudioDecodeConfig, key: str) -> np.ndarray:
@@ -179,9 +203,7 @@ def _decode_stream(container: Any, config: AudioDecodeConfig, key: str) -> np.nd
         raise DecodeError("no audio samples could be decoded", key, "audio", "corrupt")
     direct = _as_output(*decoded.runs[0], config) if len(decoded.runs) == 1 else None
     if direct is None:
-        resampler = av.AudioResampler(format="fltp", layout=_LAYOUT[config.channels], rate=config.sample_rate)
-        chunks = [chunk for run in decoded.runs for chunk in _resampled(*run, resampler)]
-        chunks += [out.to_ndarray() for out in resampler.resample(None)]  # the resampler's buffered tail
+        chunks = [chunk for signature, arrays in decoded.runs for chunk in _resampled(signature, arrays, config)]
         if sum(chunk.shape[1] for chunk in chunks) > decoded.limit:
             raise decoded.too_long()
         direct = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)

@@ -120,7 +120,8 @@ class VideoDecodeConfig(_Model):
     threads: int = Field(
         default=1,
         ge=0,
-        description="FFmpeg decoder threads per clip (0: FFmpeg's choice). 1 suits a pool of decode workers.",
+        description="FFmpeg threads per clip, decoder and scaler (0: FFmpeg's choice, a thread per core each). 1 suits "
+        "a pool of decode workers.",
     )
 
     @model_validator(mode="after")

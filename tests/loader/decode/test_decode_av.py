@@ -197,3 +197,50 @@ def test_audio_samples_are_ffmpegs_to_the_bit(rate: int, channels: int, config: 
     reference = _ffmpeg_reference(data, config)
     assert out.dtype == np.float32 and out.shape == reference.shape and out.flags.c_contiguous
     assert np.array_equal(out, reference)
+
+
+_COUNT_THREADS = """
+import os, sys, threading
+from pathlib import Path
+from omnifeed.loader.decode._config import AudioDecodeConfig, VideoDecodeConfig
+from omnifeed.loader.decode._registry import decode_audio, decode_video
+
+clip, audio = Path(sys.argv[1]).read_bytes(), Path(sys.argv[2]).read_bytes()
+decode_video(clip, VideoDecodeConfig()), decode_audio(audio, AudioDecodeConfig())  # imports and lazy set-up done
+seen, stop = [], threading.Event()
+
+def count() -> None:
+    while not stop.is_set():
+        seen.append(len(os.listdir("/proc/self/task")))
+
+sys.setswitchinterval(1e-5)  # the counter runs between the decoders' steps, not once per 5 ms
+counter = threading.Thread(target=count)
+counter.start()
+while len(seen) < 10:
+    pass
+before = max(seen)
+for _ in range(10):
+    decode_video(clip, VideoDecodeConfig()), decode_audio(audio, AudioDecodeConfig())
+stop.set()
+counter.join()
+print(before, max(seen))
+"""
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def test_decoding_a_clip_starts_no_threads_of_ffmpegs(tmp_path: Any) -> None:
+    """A decode worker is one thread: FFmpeg's scaler and resampler default to a thread per core, per clip."""
+    import subprocess
+    import sys
+
+    (tmp_path / "clip.mp4").write_bytes(encode_video(12, 320, 240, 25))  # scaled to 224 and converted to RGB
+    (tmp_path / "speech.flac").write_bytes(encode_flac(1.0, 22050, 2))  # resampled to 16 kHz mono
+    out = subprocess.run(
+        [sys.executable, "-c", _COUNT_THREADS, str(tmp_path / "clip.mp4"), str(tmp_path / "speech.flac")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout.split()
+    before, during = int(out[0]), int(out[1])
+    assert during == before, f"{during - before} more threads while decoding"
