@@ -25,7 +25,7 @@ from typing import IO, Any
 import xxhash
 
 from omnifeed.loader import Feed, SampleIndex
-from omnifeed.loader.feed import FeedConfig, Taken
+from omnifeed.loader.feed import FeedConfig, FeedPosition, Taken
 from omnifeed.loader.plan import open_audit_log
 from omnifeed.loader.service import resume_marker
 
@@ -74,6 +74,10 @@ class AttemptFeed(Feed):
         self._round = round_token
         self._checkpoint = "start"
         self.attempt: str | None = None  # named at the first delivery since construction or a load
+        # a batch made ahead of the trainer is logged when the trainer gets it: one dropped (a resize, a load,
+        # closing) was never delivered, and the feed rewound past it delivers its samples again
+        self.defer_records = False
+        self._deferred: list[tuple[FeedPosition, dict[str, Any]]] = []
 
     def load_state_dict(self, state: Mapping[str, Any], *, allow_mixture_change: bool = False) -> None:
         """`Feed.load_state_dict`; the next delivery opens the attempt that resumed from ``state``."""
@@ -82,19 +86,34 @@ class AttemptFeed(Feed):
         self.attempt = None
 
     def take(self) -> Taken:
-        """`Feed.take`, its delivery record logged with the attempt (after the attempt's marker)."""
+        """`Feed.take`, its delivery record logged with the attempt (after the attempt's marker); with
+        ``defer_records`` set, kept for `log_delivery` instead (`take_deferred` hands them over)."""
         if self._log is None:
             return super().take()
+        before = self.position
+        taken = super().take()
+        if self.defer_records:
+            self._deferred.append((before, taken.record))
+        else:
+            self.log_delivery(before, taken.record)
+        return taken
+
+    def take_deferred(self) -> list[tuple[FeedPosition, dict[str, Any]]]:
+        """The delivery records kept since the last call (with ``defer_records``), each with the position before it."""
+        deferred, self._deferred = self._deferred, []
+        return deferred
+
+    def log_delivery(self, before: FeedPosition, record: dict[str, Any]) -> None:
+        """Write a delivery record taken at ``before``: the attempt's marker first if it is the attempt's first."""
+        if self._log is None:
+            return
         if self._round is None:
-            taken = super().take()
-            self._write(taken.record)
-            return taken
+            self._write(record)
+            return
         if self.attempt is None:
             self.attempt = f"{self._checkpoint}-{xxhash.xxh64_hexdigest(self._round.encode())[:12]}"
-            self._write(resume_marker(self.attempt, self.position))
-        taken = super().take()
-        self._write({**taken.record, "since": self.attempt})
-        return taken
+            self._write(resume_marker(self.attempt, before))
+        self._write({**record, "since": self.attempt})
 
     def _write(self, record: dict[str, Any]) -> None:
         assert self._log is not None

@@ -191,13 +191,20 @@ class FeedClient:
         grad_accum: int = 1,
         lr_rule: LrRule = "linear",
         round_token: str | None = None,
+        collate_ahead: int = 1,
     ) -> FeedClient:
         """The same interface over a feed in this process (tests, single-process jobs): no service needed.
+
+        ``collate_ahead``: batches taken from the feed and collated ahead of the trainer on a thread of the
+        client's (0: on the trainer's thread, in ``next()``); position, state and audit records follow the batches
+        yielded.
 
         Its audit log has the service's attempts and resume markers (`AttemptFeed`); ``round_token``
         names this (re)start alike on every rank (``from_torchrun_env`` takes torchrun's; None: each
         client its own attempt with one data-parallel rank, no attempts with several).
         """
+        if collate_ahead < 0:
+            raise ValueError(f"collate_ahead must be 0 or more, not {collate_ahead}")
         config = config if isinstance(config, ServiceConfig) else ServiceConfig.from_yaml(config)
         client = cls(
             config.socket,
@@ -217,7 +224,8 @@ class FeedClient:
                 grad_accum=grad_accum,
                 round_token=round_token,
                 audit_log=config.audit_log if client.rank == client._first_peer() else None,
-            )
+            ),
+            collate_ahead,
         )
         return client
 
