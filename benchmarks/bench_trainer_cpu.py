@@ -9,7 +9,9 @@ label, batches of 5: 0.75 MB, 7 tensors and a list of strings; the captions vary
 token tensor changes shape from batch to batch). For each, a real service (``omnifeed serve`` in its own
 process, the feed's own decoding) serves a `FeedClient` in this process: ``service`` receives the next batch
 ahead on the client's thread (the default, ``receive_ahead=1``), ``service-sync`` on the trainer's thread when
-asked (``receive_ahead=0``); the DataLoader (2 workers, ``batch_size=None``) reads and decodes the same samples
+asked (``receive_ahead=0``); ``in-process`` is ``FeedClient.in_process`` on the same feed config without a
+service, collating its next batch ahead on the client's thread (``collate_ahead=1``), ``in-process-sync`` collating
+in ``next()`` (``collate_ahead=0``); the DataLoader (2 workers, ``batch_size=None``) reads and decodes the same samples
 with the same decoders and collate.
 
 The trainer loop is a training loop's: ``batch = next(it)`` while the previous batch is still bound, one
@@ -42,7 +44,7 @@ import torch.utils.data as tud
 import yaml
 
 from omnifeed.loader import IndexConfig, SampleIndex, build_index, read_field
-from omnifeed.loader.service import wait_until_serving
+from omnifeed.loader.service import ServiceConfig, wait_until_serving
 from omnifeed.tools._bench_spec import SampleDecoder, collate_samples, decode_config
 from omnifeed.tools._demo_data import encode_image
 from omnifeed.trainer_adapter import FeedClient
@@ -133,6 +135,24 @@ def run_service(
         process.wait()
 
 
+def run_in_process(
+    work: Path, index: Path, kind: str, loops: Callable[[Iterator[dict[str, Any]]], dict[str, Any]], ahead: int = 1
+) -> Any:
+    """``loops`` over ``FeedClient.in_process`` (``collate_ahead=ahead``) of the same feed config, no service."""
+    config = ServiceConfig.model_validate(
+        {
+            "index": str(index),
+            "socket": str(work / "unused.sock"),
+            "feed": {
+                "plan": {"batch_size": BATCH[kind], "seed": 1},
+                "decode": decode_config("image").model_dump(mode="json", include={"image"}),
+            },
+        }
+    )
+    with FeedClient.in_process(config, collate_ahead=ahead) as client:
+        return loops(epochs(client))
+
+
 class BatchDataset(tud.Dataset[dict[str, Any]]):
     """Micro-batch ``i`` of the index in order: its samples read and decoded as the feed does, collated."""
 
@@ -169,7 +189,9 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=200.0, help="the 'step' loop's pause after each batch")
     parser.add_argument("--kinds", nargs="+", default=["photos", "mixed"], choices=list(BATCH))
     parser.add_argument("--no-dataloader", action="store_true")
-    parser.add_argument("--no-sync", action="store_true", help="skip the client with receive_ahead=0")
+    parser.add_argument(
+        "--no-sync", action="store_true", help="skip the clients with receive_ahead=0 and collate_ahead=0"
+    )
     parser.add_argument("--quick", action="store_true", help="800 photos, 20 batches")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -191,6 +213,9 @@ def main() -> None:
             runners = [("service", lambda: run_service(work, index, kind, loops))]
             if not args.no_sync:  # the same client receiving each batch on the trainer's thread when asked
                 runners.append(("service-sync", lambda: run_service(work, index, kind, loops, ahead=0)))
+            runners.append(("in-process", lambda: run_in_process(work, index, kind, loops)))
+            if not args.no_sync:  # collated on the trainer's thread in next()
+                runners.append(("in-process-sync", lambda: run_in_process(work, index, kind, loops, ahead=0)))
             if not args.no_dataloader:
                 runners.append(("dataloader", lambda: run_dataloader(index, kind, loops)))
             for loader, run in runners:
@@ -200,7 +225,7 @@ def main() -> None:
                     results["rows"].append(row)
                     print(json.dumps(row), flush=True)
     print(
-        f"{'data':7s} {'mode':5s} {'loader':11s} {'median ms':>10s} {'p90 ms':>8s} {'vs DataLoader':>14s} "
+        f"{'data':7s} {'mode':5s} {'loader':15s} {'median ms':>10s} {'p90 ms':>8s} {'vs DataLoader':>14s} "
         f"{'process ms/batch':>17s}"
     )
     for row in results["rows"]:
@@ -211,7 +236,7 @@ def main() -> None:
         ]
         ratio = f"{row['median_ms'] / base[0]['median_ms']:.2f}×" if base else "—"
         print(
-            f"{row['data']:7s} {row['mode']:5s} {row['loader']:11s} {row['median_ms']:10.3f} {row['p90_ms']:8.3f} "
+            f"{row['data']:7s} {row['mode']:5s} {row['loader']:15s} {row['median_ms']:10.3f} {row['p90_ms']:8.3f} "
             f"{ratio:>14s} {row['process_ms_per_batch']:17.3f}"
         )
     args.out.write_text(json.dumps(results, indent=2) + "\n")
