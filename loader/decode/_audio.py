@@ -3,8 +3,9 @@
 The container is read from memory (``io.BytesIO``; no temporary files). Audio is decoded
 packet by packet; when its rate and channels are already the configured ones, numpy turns the
 samples into float32 exactly as FFmpeg would (s16 / 32768, s32 / 2³¹); otherwise the whole
-stream goes through ``av.AudioResampler`` (``fltp``, the configured layout and rate; its
-buffered tail is flushed at the end) as one frame, so the output has
+stream goes through FFmpeg's resampler (the filter graph ``av.AudioResampler`` builds, on one
+thread: ``fltp``, the configured layout and rate; its buffered tail is flushed at the end) as
+one frame, each run of one source format its own if the format changes mid-stream, so the output has
 ``round(seconds × sample_rate)`` samples give or take a few. Stereo becomes mono by FFmpeg's
 default downmix; the result is clipped to [-1, 1]. (PyAV's resampler is a filter graph run
 under the interpreter lock: per packet it cost 2.6 ms a 1.5 s clip and two threads decoded
