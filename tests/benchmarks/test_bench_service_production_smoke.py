@@ -15,8 +15,10 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_service_pro
 @pytest.mark.soak
 def test_bench_service_production_reports_both_layouts_with_their_cpu(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
+    # Enough steps that some are dealt inside the measured window (the epochs after the first): at 48 samples an epoch
+    # was 3 steps a rank, and the service, reading ahead, had dealt all of epoch 2's before it began.
     subprocess.run(
-        [sys.executable, str(SCRIPT), "--samples", "48", "--epochs", "2", "--rounds", "1", "--compute-ms", "1"]
+        [sys.executable, str(SCRIPT), "--samples", "96", "--epochs", "3", "--rounds", "1", "--compute-ms", "1"]
         + ["--work", str(tmp_path / "work"), "--out", str(out)]
         + ["--instrument", "loader.feed._dealing:DealtSteps.next_step"],
         capture_output=True,
