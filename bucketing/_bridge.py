@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._leftovers import _LIGHT, _even_cut, _padded, _segments, _uniform, _Weights
+from ._leftovers import _LIGHT, _even_cut, _padded, _scalar_padded, _segments, _uniform, _Weights
 
 _RATIO = 1.025  # bridged costs step by at most this ratio: W consecutive within ~10 % for W up to 8
 _FLUID = 8  # a micro-batch of at least this many samples can be cut into pieces
@@ -30,14 +30,6 @@ _SHARE = 0.1  # bridges add at most this share to the window's micro-batches (pe
 _FEW = 32  # ... or this many, in a small window
 _PASSES = 4
 _MIXED = np.iinfo(np.int64).min  # a micro-batch of more than one cell (or mix)
-
-
-def _scalar_padded(size: int, longest: list[float], weights: _Weights) -> float:
-    """`_padded` of one micro-batch, in Python floats: the same operations in the same order, so the same bits."""
-    total, n = 0.0, float(size)
-    for w, m in zip(weights.weights, longest):
-        total = total + (w * n) * (m + weights.quadratic * m * m)
-    return total
 
 
 def _jumps(costs: np.ndarray, budget: float) -> list[list[float]]:

@@ -39,12 +39,24 @@ def _padded(sizes: np.ndarray, longest: np.ndarray, weights: _Weights) -> np.nda
 
     Summed stream by stream in the order and grouping of the filler's scalar cost, element-wise: no
     BLAS product, whose rounding may differ between CPUs, so every node plans the same micro-batches.
+    (The first stream's term is what adding it to zeros gives: costs are never -0.)
     """
     sizes = np.asarray(sizes, dtype=np.float64)
-    total = np.zeros(np.broadcast_shapes(sizes.shape, longest.shape[:-1]), dtype=np.float64)
-    for s, w in enumerate(weights.weights):
-        m = longest[..., s]
-        total = total + (w * sizes) * (m + weights.quadratic * m * m)
+    if not weights.weights:
+        return np.zeros(np.broadcast_shapes(sizes.shape, longest.shape[:-1]), dtype=np.float64)
+    # every stream's term at once (element-wise, as the scalar cost), then summed stream after stream
+    terms = (np.asarray(weights.weights) * sizes[..., None]) * (longest + weights.quadratic * longest * longest)
+    total = terms[..., 0]
+    for s in range(1, len(weights.weights)):
+        total = total + terms[..., s]
+    return total
+
+
+def _scalar_padded(size: int, longest: list[float], weights: _Weights) -> float:
+    """`_padded` of one micro-batch, in Python floats: the same operations in the same order, so the same bits."""
+    total, n = 0.0, float(size)
+    for w, m in zip(weights.weights, longest):
+        total = total + (w * n) * (m + weights.quadratic * m * m)
     return total
 
 
@@ -216,18 +228,28 @@ def _even_cut(
     rows, n = table[samples], len(samples)
     if parts < 1 or n == 0:
         return None
+    # The bisection and the boundary moves ask for the same costs many times: each is computed once, as arrays
+    # of a start's prefixes or an end's suffixes, with the operations `_scalar_padded` does in the same order, so
+    # the same bits (the cut is the same as computing every cost afresh).
+    prefixes: dict[int, np.ndarray] = {}
 
     def cost(a: int, b: int) -> float:
-        return float(_padded(np.array([b - a]), rows[a:b].max(axis=0)[None, :], weights)[0])
+        return _scalar_padded(b - a, rows[a:b].max(axis=0).tolist(), weights)
+
+    def prefix(a: int) -> np.ndarray:
+        costs = prefixes.get(a)
+        if costs is None:
+            stop = n if max_size is None else min(n, a + max_size)
+            costs = prefixes[a] = _padded(
+                np.arange(1, stop - a + 1), np.maximum.accumulate(rows[a:stop], axis=0), weights
+            )
+        return costs
 
     def greedy(cap: float) -> list[int] | None:
         bounds, a = [0], 0
         while a < n:
-            stop = n if max_size is None else min(n, a + max_size)
-            longest = np.maximum.accumulate(rows[a:stop], axis=0)
-            costs = _padded(np.arange(1, stop - a + 1), longest, weights)
-            over = np.flatnonzero(costs > cap)
-            taken = int(over[0]) if over.size else stop - a
+            costs = prefix(a)
+            taken = int(costs.searchsorted(cap, side="right"))  # the first over ``cap``: costs grow with each sample
             if taken == 0:
                 return None
             a += taken
@@ -237,7 +259,7 @@ def _even_cut(
     found = greedy(budget)
     if found is None or len(found) - 1 > parts:
         return None
-    low, high = max(cost(i, i + 1) for i in range(n)), budget
+    low, high = float(_padded(np.ones(n), rows, weights).max()), budget  # the costliest sample alone
     for _ in range(20):  # the smallest cap that still cuts into `parts`
         middle = (low + high) / 2
         trial = greedy(middle)
@@ -248,10 +270,17 @@ def _even_cut(
     bounds = found
     for _ in range(3):  # move each boundary to where its neighbours cost most alike, both within the budget
         for k in range(1, len(bounds) - 1):
-            lo, hi = bounds[k - 1] + 1, bounds[k + 1] - 1
+            first, last = bounds[k - 1], bounds[k + 1]
+            span = rows[first:last]
+            # left[x - first - 1]: cost(first, x); right[x - first]: cost(x, last)
+            left = _padded(np.arange(1, last - first + 1), np.maximum.accumulate(span, axis=0), weights).tolist()
+            right = _padded(
+                np.arange(last - first, 0, -1), np.maximum.accumulate(span[::-1], axis=0)[::-1], weights
+            ).tolist()
+            lo, hi = first + 1, last - 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if cost(bounds[k - 1], mid) <= cost(mid, bounds[k + 1]):
+                if left[mid - first - 1] <= right[mid - first]:
                     lo = mid
                 else:
                     hi = mid - 1
@@ -259,12 +288,12 @@ def _even_cut(
                 (
                     b
                     for b in (lo, lo + 1)
-                    if bounds[k - 1] < b < bounds[k + 1]
-                    and cost(bounds[k - 1], b) <= budget
-                    and cost(b, bounds[k + 1]) <= budget
-                    and (max_size is None or (b - bounds[k - 1] <= max_size and bounds[k + 1] - b <= max_size))
+                    if first < b < last
+                    and left[b - first - 1] <= budget
+                    and right[b - first] <= budget
+                    and (max_size is None or (b - first <= max_size and last - b <= max_size))
                 ),
-                key=lambda b: min(cost(bounds[k - 1], b), cost(b, bounds[k + 1])),
+                key=lambda b: min(left[b - first - 1], right[b - first]),
                 default=bounds[k],
             )
             bounds[k] = best

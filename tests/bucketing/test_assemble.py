@@ -139,3 +139,98 @@ def test_bridges_step_across_a_jump_in_costs_with_pieces_of_a_fluid_bucket() -> 
     costs = np.sort([cost for _, cost in bridged])
     assert costs[0] == 50.0 and costs[-1] <= 100.0
     assert np.all(costs[1:] / costs[:-1] <= 1.05), "no jump wider than a bridge step"
+
+
+def _even_cut_afresh(samples, table, weights, parts, budget, max_size):  # type: ignore[no-untyped-def]
+    """`_even_cut` as first written, every cost computed afresh: the reference the memoised one must equal."""
+
+    def _padded(sizes, longest, weights):  # type: ignore[no-untyped-def]
+        sizes = np.asarray(sizes, dtype=np.float64)
+        total = np.zeros(np.broadcast_shapes(sizes.shape, longest.shape[:-1]), dtype=np.float64)
+        for s, w in enumerate(weights.weights):
+            m = longest[..., s]
+            total = total + (w * sizes) * (m + weights.quadratic * m * m)
+        return total
+
+    rows, n = table[samples], len(samples)
+
+    def cost(a: int, b: int) -> float:
+        return float(_padded(np.array([b - a]), rows[a:b].max(axis=0)[None, :], weights)[0])
+
+    def greedy(cap: float) -> list[int] | None:
+        bounds, a = [0], 0
+        while a < n:
+            stop = n if max_size is None else min(n, a + max_size)
+            costs = _padded(np.arange(1, stop - a + 1), np.maximum.accumulate(rows[a:stop], axis=0), weights)
+            over = np.flatnonzero(costs > cap)
+            taken = int(over[0]) if over.size else stop - a
+            if taken == 0:
+                return None
+            a += taken
+            bounds.append(a)
+        return bounds
+
+    found = greedy(budget)
+    if found is None or len(found) - 1 > parts:
+        return None
+    low, high = max(cost(i, i + 1) for i in range(n)), budget
+    for _ in range(20):
+        middle = (low + high) / 2
+        trial = greedy(middle)
+        if trial is not None and len(trial) - 1 <= parts:
+            found, high = trial, middle
+        else:
+            low = middle
+    bounds = found
+    for _ in range(3):
+        for k in range(1, len(bounds) - 1):
+            lo, hi = bounds[k - 1] + 1, bounds[k + 1] - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if cost(bounds[k - 1], mid) <= cost(mid, bounds[k + 1]):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            bounds[k] = max(
+                (
+                    b
+                    for b in (lo, lo + 1)
+                    if bounds[k - 1] < b < bounds[k + 1]
+                    and cost(bounds[k - 1], b) <= budget
+                    and cost(b, bounds[k + 1]) <= budget
+                    and (max_size is None or (b - bounds[k - 1] <= max_size and bounds[k + 1] - b <= max_size))
+                ),
+                key=lambda b: min(cost(bounds[k - 1], b), cost(b, bounds[k + 1])),
+                default=bounds[k],
+            )
+    return [([samples[i] for i in range(a, b)], cost(a, b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(
+    lengths=st.lists(st.lists(st.integers(0, 3000), min_size=3, max_size=3), min_size=1, max_size=120),
+    weights=st.lists(st.floats(0.01, 4.0), min_size=3, max_size=3),
+    quadratic=st.sampled_from([0.0, 1e-4, 0.01]),
+    parts=st.integers(1, 16),
+    budget_factor=st.floats(0.2, 3.0),
+    max_size=st.sampled_from([None, 1, 4, 16]),
+)
+def test_evening_out_cuts_exactly_where_computing_every_cost_afresh_cuts(
+    lengths: list[list[int]],
+    weights: list[float],
+    quadratic: float,
+    parts: int,
+    budget_factor: float,
+    max_size: int | None,
+) -> None:
+    """Every node must form the same micro-batches: the memoised cut equals its definition, bit for bit."""
+    from omnifeed.bucketing._leftovers import _even_cut, _padded, _Weights
+
+    model = _Weights(weights, quadratic)
+    table = np.asarray(lengths, dtype=np.float64)
+    own = _padded(np.ones(len(table)), table, model)
+    samples = sorted(range(len(table)), key=lambda s: (own[s], s))
+    budget = float(own.max()) * max(1.0, budget_factor * len(table) / parts)
+    assert _even_cut(samples, table, model, parts, budget, max_size) == _even_cut_afresh(
+        samples, table, model, parts, budget, max_size
+    )
