@@ -33,7 +33,7 @@ import numpy as np
 from ._bridge import bridge_gaps
 from ._cost import CostModel, sample_costs
 from ._layout import mix_masks
-from ._leftovers import _absorb_light, _even_light, _prefix_padded, _Weights, light_to_carry
+from ._leftovers import _absorb_light, _even_light, _padded, _scalar_padded, _Weights, light_to_carry
 
 
 class OverBudgetError(ValueError):
@@ -122,7 +122,7 @@ class _Filler:
     def offer_run(self, order: list[int], table: np.ndarray) -> None:
         """`offer` each of ``order`` in turn, into an empty open micro-batch, whole micro-batches at a time.
 
-        The same micro-batches and costs, bit for bit, as offering one by one (`_prefix_padded` sums in the
+        The same micro-batches and costs, bit for bit, as offering one by one (`_padded` sums in the
         scalar cost's order): the running maxima of a stretch of rows give every prefix's cost at once.
         """
         rows, n, a, guess = table[order], len(order), 0, 16
@@ -132,11 +132,11 @@ class _Filler:
             while True:  # a stretch long enough to hold the first sample over the budget, or the whole span
                 stretch = min(span, guess)
                 longest = np.maximum.accumulate(rows[a : a + stretch], axis=0)
-                over = np.flatnonzero(_prefix_padded(counts[:stretch], longest, self.weights) > self.budget)
-                if over.size or stretch == span:
+                # the first prefix over the budget (a prefix's cost grows with each sample it takes)
+                taken = int(_padded(counts[:stretch], longest, self.weights).searchsorted(self.budget, side="right"))
+                if taken < stretch or stretch == span:
                     break
                 guess *= 2
-            taken = int(over[0]) if over.size else stretch
             if taken == 0:  # alone, it is over budget
                 self.offer(order[a], rows[a].tolist())
                 a += 1
@@ -153,9 +153,7 @@ class _Filler:
 
     def open_cost(self, longest: np.ndarray, size: int) -> float:
         """The scalar cost of ``size`` samples whose streams' longest are ``longest``."""
-        batch = _Batch(self.streams)
-        batch.members, batch.longest = [0] * size, longest.tolist()
-        return batch.cost(self.weights)
+        return _scalar_padded(size, longest.tolist(), self.weights)
 
 
 def _table(lengths: Mapping[str, np.ndarray], streams: list[str]) -> np.ndarray:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -60,21 +61,10 @@ def _scalar_padded(size: int, longest: list[float], weights: _Weights) -> float:
     return total
 
 
-def _prefix_padded(sizes: np.ndarray, longest: np.ndarray, weights: _Weights) -> np.ndarray:
-    """`_padded` of float64 ``sizes`` against a 2-D ``longest`` of as many rows, without its broadcasting: the same
-    sums in the same order (the first stream's term is what adding it to zeros gives), for the filler's hot loop."""
-    total = None
-    for s, w in enumerate(weights.weights):
-        m = longest[:, s]
-        term = (w * sizes) * (m + weights.quadratic * m * m)
-        total = term if total is None else total + term
-    return total if total is not None else np.zeros(len(sizes))
-
-
 def _segments(batches: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
     """The members of non-empty ``batches`` end to end, and where each batch starts."""
-    sizes = np.fromiter((len(b) for b in batches), dtype=np.int64, count=len(batches))
-    flat = np.fromiter((s for b in batches for s in b), dtype=np.int64, count=int(sizes.sum()))
+    sizes = np.fromiter(map(len, batches), dtype=np.int64, count=len(batches))
+    flat = np.fromiter(chain.from_iterable(batches), dtype=np.int64, count=int(sizes.sum()))
     return flat, np.r_[0, np.cumsum(sizes)[:-1]].astype(np.int64)
 
 
@@ -181,11 +171,11 @@ def _even_light(
     own = _padded(np.ones(len(rows)), table, weights)  # each sample's cost alone
     batches = [list(members) for members, _ in done]
     costs = [cost for _, cost in done]
-    kind = np.array([int(present[m[0]]) if np.all(present[m] == present[m[0]]) else -1 for m in batches])
     cell = np.zeros(len(rows), dtype=np.int64) if cells is None else np.asarray(cells)
     mixed_cells = np.iinfo(np.int64).min
     # per micro-batch, kept up to date as groups are re-cut: its median sample cost, and its cell (if it has one)
     flat, starts = _segments(batches)
+    kind = _uniform(np.asarray(present)[flat], starts, -1)  # its modality mix, -1 for a mixed one
     median = _medians(own[flat], starts)
     home_cell = _uniform(cell[flat], starts, mixed_cells)
     by_kind = {int(c): np.flatnonzero(kind == c) for c in np.unique(kind).tolist()}
