@@ -19,7 +19,7 @@ bridged instead (`_bridge`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -33,6 +33,10 @@ _EVEN_MAX = 16  # most micro-batches one light one is evened out with
 class _Weights:
     weights: list[float]
     quadratic: float
+    vector: np.ndarray = field(init=False, repr=False, compare=False)  # ``weights`` as float64, for `_padded`
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "vector", np.asarray(self.weights, dtype=np.float64))
 
 
 def _padded(sizes: np.ndarray, longest: np.ndarray, weights: _Weights) -> np.ndarray:
@@ -45,8 +49,10 @@ def _padded(sizes: np.ndarray, longest: np.ndarray, weights: _Weights) -> np.nda
     sizes = np.asarray(sizes, dtype=np.float64)
     if not weights.weights:
         return np.zeros(np.broadcast_shapes(sizes.shape, longest.shape[:-1]), dtype=np.float64)
-    # every stream's term at once (element-wise, as the scalar cost), then summed stream after stream
-    terms = (np.asarray(weights.weights) * sizes[..., None]) * (longest + weights.quadratic * longest * longest)
+    # every stream's term at once (element-wise, as the scalar cost), then summed stream after stream; without a
+    # quadratic term ``m + 0 * m * m`` is ``m`` exactly (lengths are finite and not negative)
+    shape = longest if weights.quadratic == 0.0 else longest + weights.quadratic * longest * longest
+    terms = (weights.vector * sizes[..., None]) * shape
     total = terms[..., 0]
     for s in range(1, len(weights.weights)):
         total = total + terms[..., s]
