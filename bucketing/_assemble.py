@@ -65,15 +65,10 @@ class _Batch:
         self.longest = [0.0] * streams
 
     def cost_with(self, row: list[float], model: _Weights) -> float:
-        n = len(self.members) + 1
-        return sum(
-            w * n * (m + model.quadratic * m * m)
-            for w, m in zip(model.weights, (max(a, b) for a, b in zip(self.longest, row)))
-        )
+        return _scalar_padded(len(self.members) + 1, [max(a, b) for a, b in zip(self.longest, row)], model)
 
     def cost(self, model: _Weights) -> float:
-        n = len(self.members)
-        return sum(w * n * (m + model.quadratic * m * m) for w, m in zip(model.weights, self.longest))
+        return _scalar_padded(len(self.members), self.longest, model)
 
     def add(self, position: int, row: list[float]) -> None:
         self.members.append(position)

@@ -224,9 +224,9 @@ def _even_cut(
     rows, n = table[samples], len(samples)
     if parts < 1 or n == 0:
         return None
-    # The bisection and the boundary moves ask for the same costs many times: each is computed once, as arrays
-    # of a start's prefixes or an end's suffixes, with the operations `_scalar_padded` does in the same order, so
-    # the same bits (the cut is the same as computing every cost afresh).
+    # The bisection asks for the same start's prefix costs many times: each start's are computed once; a
+    # boundary move takes its neighbours' prefix and suffix costs as two arrays. `_padded` does the operations of
+    # `_scalar_padded` in the same order, so the cut is the same, bit for bit, as computing every cost afresh.
     prefixes: dict[int, np.ndarray] = {}
 
     def cost(a: int, b: int) -> float:
