@@ -1,12 +1,13 @@
 """Decode every clip of one kind in a set of WebDataset shards on 1 and 2 threads: clips/s and CPU ms a clip.
 
-    python benchmarks/bench_decode_mix.py video|audio [--shards 'DIR/*.tar'] [--passes 3] [--tries 3]
+    python benchmarks/bench_decode_mix.py video|audio|image [--shards 'DIR/*.tar'] [--passes 3] [--tries 3]
 
-The clips are read into memory first (``.mp4`` for video, ``.flac`` for audio) and decoded with the
-default `DecodeConfig` (`omnifeed.loader.decode`), ``--passes`` times over per thread; each setting is
-run ``--tries`` times and the best kept (a shared machine only ever slows a run down). A digest of every
-output is printed first, so two trees (an A/B with each first on ``PYTHONPATH``) can be shown to decode
-the same pixels and samples. Default shards: the mix `bench_service_production.py` generates.
+The clips are read into memory first (``.mp4`` for video, ``.flac`` for audio, ``.jpg`` and ``.png``
+for image) and decoded with the default `DecodeConfig` (`omnifeed.loader.decode`), ``--passes`` times
+over per thread; each setting is run ``--tries`` times and the best kept (a shared machine only ever
+slows a run down). A digest of every output is printed first, so two trees (an A/B with each first
+on ``PYTHONPATH``) can be shown to decode the same pixels and samples. Default shards: the mix
+`bench_service_production.py` generates.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from omnifeed.loader.decode import DecodeConfig, make_decoder
 
-EXTENSIONS = {"video": "mp4", "audio": "flac"}
+EXTENSIONS = {"video": ("mp4",), "audio": ("flac",), "image": ("jpg", "png")}
 
 
 def clips(pattern: str, kind: str) -> list[bytes]:
@@ -34,7 +35,7 @@ def clips(pattern: str, kind: str) -> list[bytes]:
     for shard in sorted(glob.glob(pattern)):
         with tarfile.open(shard) as tar:
             for member in tar:
-                if member.isfile() and member.name.endswith("." + EXTENSIONS[kind]):
+                if member.isfile() and member.name.rpartition(".")[2] in EXTENSIONS[kind]:
                     out.append(tar.extractfile(member).read())  # type: ignore[union-attr]
     return out
 
@@ -75,7 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     data = clips(args.shards, args.kind)
     if not data:
-        raise SystemExit(f"no .{EXTENSIONS[args.kind]} in {args.shards}: run bench_service_production.py first")
+        names = " or ".join("." + extension for extension in EXTENSIONS[args.kind])
+        raise SystemExit(f"no {names} in {args.shards}: run bench_service_production.py first")
     decode = decoder(args.kind)
     digest = hashlib.sha1()
     for item in data:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,8 +24,10 @@ _SERVE = "from omnifeed.tools._cli import main; raise SystemExit(main())"
 
 
 def short_socket_dir() -> Path:
-    """A fresh private directory under /tmp (socket paths must stay under 108 bytes)."""
-    return Path(tempfile.mkdtemp(prefix="of-sock-", dir="/tmp"))
+    """A fresh private directory under /tmp (socket paths must stay under 108 bytes), removed when the tests end."""
+    folder = Path(tempfile.mkdtemp(prefix="of-sock-", dir="/tmp"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)  # a test's service may use it until the session ends
+    return folder
 
 
 def write_config(

@@ -66,6 +66,16 @@ def test_native_size_keeps_the_pixels() -> None:
     assert np.array_equal(out, rgb.transpose(2, 0, 1))
 
 
+# 2400 x 1900 RGB is over Pillow's 16 MiB block: its rows lie in several blocks, which Pillow does not export
+@pytest.mark.parametrize(("width", "height"), [(30, 20), (1, 1), (2400, 1900)])
+def test_native_size_keeps_the_pixels_however_pillow_stores_them(width: int, height: int) -> None:
+    ys, xs = np.indices((height, width))
+    rgb = np.stack([xs * 7 + ys, xs ^ ys, ys * 3 + xs * 5], axis=-1).astype(np.uint8)  # every channel its own
+    for image, want in ((Image.fromarray(rgb), rgb), (Image.fromarray(rgb[:, :, 1]), rgb[:, :, [1, 1, 1]])):
+        out = decode_image(_encode(image, "PNG"), ImageDecodeConfig(resize="none"))
+        assert out.flags.c_contiguous and np.array_equal(out, want.transpose(2, 0, 1))
+
+
 def test_center_crop_takes_the_middle_square() -> None:
     rgb = np.zeros((100, 300, 3), np.uint8)
     rgb[:, 100:200] = 255  # the centre square is white, the sides black
