@@ -2,14 +2,14 @@
 
     python benchmarks/bench_service_production.py [--samples 1024] [--batch 8] [--epochs 3] [--rounds 3]
                                                   [--compute-ms 0] [--work DIR] [--out FILE.json]
-                                                  [--service-feed JSON] [--service-config JSON]
+                                                  [--feed JSON] [--service-feed JSON] [--service-config JSON]
                                                   [--instrument MOD:NAME ...]
 
 The data: the demo generator's four-modality mix (`omnifeed.tools._demo_data`: images with
 captions, text, short H.264 clips, FLAC audio, JSON meta; images 160–640 px as `omnifeed bench`'s
 mixed set), four WebDataset shards, indexed once (cached in ``--work``). The plan: length-bucketed
 micro-batches in budget mode at the budget `omnifeed plan --suggest-budget BATCH` prints (micro-batches
-of BATCH samples on average). Every loader uses the default `FeedConfig` pools and decoders.
+of BATCH samples on average). Every loader uses the default `FeedConfig` pools and decoders (``--feed``).
 
 Two layouts of two data-parallel ranks (world size 2), each rank a process of its own that builds its
 loader (torch imported, as a trainer has it), says ready, waits for "go", takes ``--epochs`` epochs and drops
@@ -28,10 +28,13 @@ each batch (a step's compute on an accelerator: no CPU of the node's); *waited* 
 ranks' time spent waiting for a batch, *stalls* the batches waited for over 10 ms (the target with compute
 covering production: none). The service and the feeds also report their CPU per thread group (decode
 pools per modality, stream producers, connection threads, I/O, scheduler), read from
-``/proc`` by thread id, so the table says where each side's CPU went; ``--instrument`` adds up the
-service's CPU inside named functions (``time.thread_time``, no profiler). ``--service-feed`` (`FeedConfig`
-fields) and ``--service-config`` (`ServiceConfig` fields) change the service only (A/B runs). Rounds alternate the
-order; medians. Writes ``--out`` (JSON) and prints a table with the service's ratios to the feeds.
+``/proc`` by thread id, so the table says where each side's CPU went, and how the decode threads spent
+their time (``/proc`` schedstat): *running*, *waiting for a core* (runnable, no core free), *asleep*
+(no work, or waiting for a lock: the interpreter lock among them); ``--instrument`` adds up the
+service's CPU inside named functions (``time.thread_time``, no profiler). ``--feed`` (`FeedConfig`
+fields) sets every layout's decode workers; ``--service-feed`` (`FeedConfig`) and ``--service-config``
+(`ServiceConfig` fields) change the service only (A/B runs). Rounds alternate the order; medians.
+Writes ``--out`` (JSON) and prints a table with the service's ratios to the feeds.
 
     python benchmarks/bench_service_production.py --child SPEC_JSON   (a rank or the service; the parent runs it)
 """
@@ -58,6 +61,7 @@ import psutil
 RESULTS = Path(__file__).with_name("results-service-production.json")
 LAYOUTS = ("feeds", "service")
 RANKS = 2
+DECODE_GROUPS = ("text", "image", "video", "audio", "meta", "shared")  # omnifeed-{group}-{i}: decode threads
 STALL_S = 0.010  # a wait for a batch longer than this is a stall (shorter ones: the client's own work, scheduling)
 
 
@@ -107,6 +111,41 @@ def thread_cpu() -> dict[str, float]:
         group = re.sub(r"^ThreadPoolExecutor-\d+", "executor", group)
         groups[group] = groups.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
     return groups
+
+
+def thread_waits() -> dict[str, list[float]]:
+    """Per thread group: [seconds its threads waited for a core while runnable, threads], from /proc schedstat.
+
+    With `thread_cpu` over a window of W seconds, a group of n threads was running cpu / (n W) of the
+    time, waiting for a core wait / (n W), and asleep the rest (a lock, the interpreter lock, no work).
+    """
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    groups: dict[str, list[float]] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            waited = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[1]) / 1e9
+        except (OSError, IndexError, ValueError):
+            continue
+        group = re.sub(r"[-_]\d+$", "", names.get(int(tid), "native"))
+        group = re.sub(r"^ThreadPoolExecutor-\d+", "executor", group)
+        entry = groups.setdefault(group, [0.0, 0])
+        entry[0] += waited
+        entry[1] += 1
+    return groups
+
+
+def _decode_shares(cpu: dict[str, float], waits: dict[str, list[float]], window_s: float) -> dict[str, list[float]]:
+    """Per decode thread group, and ``all`` of them: [running, waiting for a core, asleep] as shares of its threads'
+    time in the window."""
+    shares, total = {}, [0.0, 0.0, 0]
+    for group, (waited, threads) in waits.items():
+        if group.startswith("omnifeed-") and group.split("-", 1)[1] in DECODE_GROUPS and threads and window_s > 0:
+            running = cpu.get(group, 0.0)
+            shares[group] = [round(running / threads / window_s, 3), round(waited / threads / window_s, 3)]
+            total = [total[0] + running, total[1] + waited, total[2] + threads]
+    if total[2]:
+        shares["all"] = [round(total[0] / total[2] / window_s, 3), round(total[1] / total[2] / window_s, 3)]
+    return {group: [run, queued, round(max(0.0, 1 - run - queued), 3)] for group, (run, queued) in shares.items()}
 
 
 def _minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -160,14 +199,25 @@ def serve(spec: dict[str, Any]) -> None:
 
     instrument(spec.get("instrument") or [])
 
-    feed = feed_config(spec["budget"], spec.get("service_feed"))
+    feed = feed_config(spec["budget"], {**(spec.get("feed") or {}), **(spec.get("service_feed") or {})})
     config = ServiceConfig(index=spec["index"], socket=spec["socket"], feed=feed, **(spec.get("service_config") or {}))
     with FeedService(config):
         print("ready", flush=True)
         for line in sys.stdin:
             if line.strip() == "cpu":
                 workers = sum(sum(c.cpu_times()[:2]) for c in psutil.Process().children(recursive=True))
-                print(json.dumps({"cpu_s": _cpu() + workers, "threads": thread_cpu(), "spent": spent()}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "cpu_s": _cpu() + workers,
+                            "threads": thread_cpu(),
+                            "waits": thread_waits(),
+                            "at": time.perf_counter(),
+                            "spent": spent(),
+                        }
+                    ),
+                    flush=True,
+                )
             elif line.strip() == "stop":
                 break
 
@@ -176,7 +226,8 @@ def _loader(spec: dict[str, Any]) -> Any:
     if spec["layout"] == "feeds":
         from omnifeed.loader import Feed, SampleIndex
 
-        return Feed(SampleIndex(spec["index"]), feed_config(spec["budget"]), world_size=RANKS, rank=spec["rank"])
+        config = feed_config(spec["budget"], spec.get("feed"))
+        return Feed(SampleIndex(spec["index"]), config, world_size=RANKS, rank=spec["rank"])
     from omnifeed.trainer_adapter import FeedClient
 
     return FeedClient(spec["socket"], rank=spec["rank"], world_size=RANKS)
@@ -196,7 +247,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     sys.stdin.readline()
     samples = batches = 0
     marks = []  # (time, CPU, per-thread CPU, samples, batches) at go and at the end of each epoch
-    marks.append((time.perf_counter(), _cpu(), thread_cpu(), 0, 0))
+    marks.append((time.perf_counter(), _cpu(), thread_cpu(), 0, 0, thread_waits()))
     compute_s, waited, stalls = spec.get("compute_ms", 0.0) / 1000, [0.0], [0]
     for epoch in range(spec["epochs"]):
         batches_of_epoch = iter(loader)
@@ -212,10 +263,14 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             del batch
             if compute_s:
                 time.sleep(compute_s)  # the step's compute: on an accelerator, no CPU of this node's
-        marks.append((time.perf_counter(), _cpu(), thread_cpu(), samples, batches))
+        marks.append((time.perf_counter(), _cpu(), thread_cpu(), samples, batches, thread_waits()))
         print(f"epoch {epoch}", flush=True)
     loader.close()
-    (t0, cpu0, threads0, samples0, batches0), (t1, cpu1, threads1, samples1, batches1) = marks[1], marks[-1]
+    (t0, cpu0, threads0, samples0, batches0, waits0), (t1, cpu1, threads1, samples1, batches1, waits1) = (
+        marks[1],
+        marks[-1],
+    )
+    waits = {k: [v[0] - waits0.get(k, [0.0])[0], v[1]] for k, v in waits1.items()}
     return {
         "rank": spec["rank"],
         "first_epoch_s": round(marks[1][0] - marks[0][0], 3),
@@ -226,6 +281,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "waited_s": round(waited[0], 3),
         "stalls": stalls[0],
         "threads": _minus(threads1, threads0),
+        "decode_shares": _decode_shares(_minus(threads1, threads0), waits, t1 - t0),
     }
 
 
@@ -300,6 +356,7 @@ def run_layout(
     instrumented: list[str] | None = None,
     compute_ms: float = 0.0,
     service_config: dict[str, Any] | None = None,
+    feed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Two rank processes (and the service for ``service``), one run: rates, CPU, CPU per thread group, over the
     epochs after the first (the read-ahead is full at both ends, so it cancels out)."""
@@ -309,6 +366,7 @@ def run_layout(
         "budget": prepared["budget"],
         "epochs": epochs,
         "compute_ms": compute_ms,
+        "feed": feed,
     }
     service = None
     if layout == "service":
@@ -343,9 +401,13 @@ def run_layout(
             before = _service_cpu(service)
             _wait_all([events[-1] for events in passed], ranks)
             after = _service_cpu(service)
+            waits = {k: [v[0] - before["waits"].get(k, [0.0])[0], v[1]] for k, v in after["waits"].items()}
             served = {
                 "cpu_s": round(after["cpu_s"] - before["cpu_s"], 3),
                 "threads": _minus(after["threads"], before["threads"]),
+                "decode_shares": _decode_shares(
+                    _minus(after["threads"], before["threads"]), waits, after["at"] - before["at"]
+                ),
                 "spent": {
                     k: [round(v[0] - before["spent"][k][0], 4), v[1] - before["spent"][k][1]]
                     for k, v in after["spent"].items()
@@ -388,7 +450,15 @@ def run_layout(
         "ranks_cpu_s": [r["cpu_s"] for r in results],
         "service": served,
         "rank_threads": [r["threads"] for r in results],
+        "rank_decode_shares": [r["decode_shares"] for r in results],
     }
+
+
+def _decode_threads(result: dict[str, Any]) -> list[float]:
+    """[running, waiting for a core, asleep] of the run's decode threads: the service's, or the mean of the feeds'."""
+    shares = [result["service"]["decode_shares"]] if result["service"] else result["rank_decode_shares"]
+    every = [s["all"] for s in shares if "all" in s] or [[0.0, 0.0, 0.0]]
+    return [round(statistics.fmean(s[i] for s in every), 3) for i in range(3)]
 
 
 def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -396,6 +466,10 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for key in ("samples_per_s", "samples_per_cpu_s", "cpu_ms_per_batch", "cpu_s", "waited_fraction", "stalls"):
         row[key] = round(statistics.median(r[key] for r in runs), 2)
     row["rounds"] = [{k: r[k] for k in ("samples_per_s", "samples_per_cpu_s", "cpu_ms_per_batch")} for r in runs]
+    shares = [_decode_threads(r) for r in runs]
+    row["decode_threads"] = {
+        k: round(statistics.median(s[i] for s in shares), 3) for i, k in enumerate(("running", "queued", "asleep"))
+    }
     return row
 
 
@@ -410,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "omnifeed-bench-production")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--feed", type=json.loads, default=None, help="JSON: FeedConfig fields for every layout (its decode workers)."
+    )
     parser.add_argument(
         "--service-feed", type=json.loads, default=None, help="JSON: FeedConfig fields for the service only (an A/B)."
     )
@@ -450,11 +527,14 @@ def main(argv: list[str] | None = None) -> int:
                 args.instrument,
                 args.compute_ms,
                 args.service_config,
+                args.feed,
             )
             runs[layout].append(result)
+            decode = _decode_threads(result)
             print(
                 f"round {round_} {layout:8} {result['samples_per_s']:7.1f} samples/s  "
-                f"{result['samples_per_cpu_s']:6.1f} samples/CPU s  {result['cpu_ms_per_batch']:6.2f} CPU ms/batch",
+                f"{result['samples_per_cpu_s']:6.1f} samples/CPU s  {result['cpu_ms_per_batch']:6.2f} CPU ms/batch  "
+                f"decode threads running {decode[0]:.0%}, waiting for a core {decode[1]:.0%}, asleep {decode[2]:.0%}",
                 flush=True,
             )
     rows = {layout: _median_row(r) for layout, r in runs.items()}
@@ -468,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     for layout, row in rows.items():
         print(
             f"{layout:8} {row['samples_per_s']:10.1f} {row['samples_per_cpu_s']:14.1f} {row['cpu_ms_per_batch']:13.2f}"
-            f" {row['waited_fraction']:7.1%} {row['stalls']:7g}"
+            f" {row['waited_fraction']:7.1%} {row['stalls']:7g}  decode threads {row['decode_threads']}"
         )
     if "vs_feeds" in rows.get("service", {}):
         print(f"service / feeds: {rows['service']['vs_feeds']}")
