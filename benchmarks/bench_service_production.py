@@ -113,39 +113,44 @@ def thread_cpu() -> dict[str, float]:
     return groups
 
 
-def thread_waits() -> dict[str, list[float]]:
-    """Per thread group: [seconds its threads waited for a core while runnable, threads], from /proc schedstat.
+def thread_sched() -> dict[str, list[float]]:
+    """Per thread group: [seconds its threads ran, seconds they waited for a core while runnable, threads], from
+    /proc schedstat (nanoseconds, unlike stat's clock ticks).
 
-    With `thread_cpu` over a window of W seconds, a group of n threads was running cpu / (n W) of the
-    time, waiting for a core wait / (n W), and asleep the rest (a lock, the interpreter lock, no work).
+    Over a window of W seconds, a group of n threads was running ran / (n W) of the time, waiting
+    for a core waited / (n W), and asleep the rest (no work, or a lock: the interpreter lock among them).
     """
     names = {t.native_id: t.name for t in threading.enumerate()}
     groups: dict[str, list[float]] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            waited = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[1]) / 1e9
-        except (OSError, IndexError, ValueError):
+            ran, waited = (int(v) / 1e9 for v in Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[:2])
+        except (OSError, ValueError):
             continue
         group = re.sub(r"[-_]\d+$", "", names.get(int(tid), "native"))
         group = re.sub(r"^ThreadPoolExecutor-\d+", "executor", group)
-        entry = groups.setdefault(group, [0.0, 0])
-        entry[0] += waited
-        entry[1] += 1
+        entry = groups.setdefault(group, [0.0, 0.0, 0])
+        entry[0], entry[1], entry[2] = entry[0] + ran, entry[1] + waited, entry[2] + 1
     return groups
 
 
-def _decode_shares(cpu: dict[str, float], waits: dict[str, list[float]], window_s: float) -> dict[str, list[float]]:
+def _decode_shares(
+    before: dict[str, list[float]], after: dict[str, list[float]], window_s: float
+) -> dict[str, list[float]]:
     """Per decode thread group, and ``all`` of them: [running, waiting for a core, asleep] as shares of its threads'
-    time in the window."""
+    time in the window (`thread_sched` at its two ends)."""
     shares, total = {}, [0.0, 0.0, 0]
-    for group, (waited, threads) in waits.items():
+    for group, (ran, waited, threads) in after.items():
         if group.startswith("omnifeed-") and group.split("-", 1)[1] in DECODE_GROUPS and threads and window_s > 0:
-            running = cpu.get(group, 0.0)
-            shares[group] = [round(running / threads / window_s, 3), round(waited / threads / window_s, 3)]
-            total = [total[0] + running, total[1] + waited, total[2] + threads]
+            ran, waited = ran - before.get(group, [0.0])[0], waited - before.get(group, [0.0, 0.0])[1]
+            shares[group] = [ran / threads / window_s, waited / threads / window_s]
+            total = [total[0] + ran, total[1] + waited, total[2] + threads]
     if total[2]:
-        shares["all"] = [round(total[0] / total[2] / window_s, 3), round(total[1] / total[2] / window_s, 3)]
-    return {group: [run, queued, round(max(0.0, 1 - run - queued), 3)] for group, (run, queued) in shares.items()}
+        shares["all"] = [total[0] / total[2] / window_s, total[1] / total[2] / window_s]
+    return {
+        group: [round(run, 3), round(queued, 3), round(max(0.0, 1 - run - queued), 3)]
+        for group, (run, queued) in shares.items()
+    }
 
 
 def _minus(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
@@ -211,7 +216,7 @@ def serve(spec: dict[str, Any]) -> None:
                         {
                             "cpu_s": _cpu() + workers,
                             "threads": thread_cpu(),
-                            "waits": thread_waits(),
+                            "sched": thread_sched(),
                             "at": time.perf_counter(),
                             "spent": spent(),
                         }
@@ -247,7 +252,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     sys.stdin.readline()
     samples = batches = 0
     marks = []  # (time, CPU, per-thread CPU, samples, batches) at go and at the end of each epoch
-    marks.append((time.perf_counter(), _cpu(), thread_cpu(), 0, 0, thread_waits()))
+    marks.append((time.perf_counter(), _cpu(), thread_cpu(), 0, 0, thread_sched()))
     compute_s, waited, stalls = spec.get("compute_ms", 0.0) / 1000, [0.0], [0]
     for epoch in range(spec["epochs"]):
         batches_of_epoch = iter(loader)
@@ -263,14 +268,13 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
             del batch
             if compute_s:
                 time.sleep(compute_s)  # the step's compute: on an accelerator, no CPU of this node's
-        marks.append((time.perf_counter(), _cpu(), thread_cpu(), samples, batches, thread_waits()))
+        marks.append((time.perf_counter(), _cpu(), thread_cpu(), samples, batches, thread_sched()))
         print(f"epoch {epoch}", flush=True)
     loader.close()
-    (t0, cpu0, threads0, samples0, batches0, waits0), (t1, cpu1, threads1, samples1, batches1, waits1) = (
+    (t0, cpu0, threads0, samples0, batches0, sched0), (t1, cpu1, threads1, samples1, batches1, sched1) = (
         marks[1],
         marks[-1],
     )
-    waits = {k: [v[0] - waits0.get(k, [0.0])[0], v[1]] for k, v in waits1.items()}
     return {
         "rank": spec["rank"],
         "first_epoch_s": round(marks[1][0] - marks[0][0], 3),
@@ -281,7 +285,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "waited_s": round(waited[0], 3),
         "stalls": stalls[0],
         "threads": _minus(threads1, threads0),
-        "decode_shares": _decode_shares(_minus(threads1, threads0), waits, t1 - t0),
+        "decode_shares": _decode_shares(sched0, sched1, t1 - t0),
     }
 
 
@@ -401,13 +405,10 @@ def run_layout(
             before = _service_cpu(service)
             _wait_all([events[-1] for events in passed], ranks)
             after = _service_cpu(service)
-            waits = {k: [v[0] - before["waits"].get(k, [0.0])[0], v[1]] for k, v in after["waits"].items()}
             served = {
                 "cpu_s": round(after["cpu_s"] - before["cpu_s"], 3),
                 "threads": _minus(after["threads"], before["threads"]),
-                "decode_shares": _decode_shares(
-                    _minus(after["threads"], before["threads"]), waits, after["at"] - before["at"]
-                ),
+                "decode_shares": _decode_shares(before["sched"], after["sched"], after["at"] - before["at"]),
                 "spent": {
                     k: [round(v[0] - before["spent"][k][0], 4), v[1] - before["spent"][k][1]]
                     for k, v in after["spent"].items()

@@ -30,6 +30,9 @@ def test_bench_service_production_reports_both_layouts_with_their_cpu(tmp_path: 
     for layout in ("feeds", "service"):
         assert rows[layout]["samples"] > 0 and rows[layout]["samples_per_cpu_s"] > 0
         assert 0 <= rows[layout]["waited_fraction"] <= 1
+        shares = rows[layout]["decode_threads"]  # running, waiting for a core, asleep: the decode threads' time
+        assert rows[layout]["decode_threads"]["running"] > 0 and all(0 <= v <= 1 for v in shares.values())
+        assert sum(shares.values()) == pytest.approx(1, abs=0.02)
     service = rows["service"]["service"]
     assert service["cpu_s"] > 0 and any(name.startswith("omnifeed-") for name in service["threads"])
     assert service["spent"]["loader.feed._dealing:DealtSteps.next_step"][1] > 0
