@@ -17,7 +17,9 @@ each batch (no compute unless ``--compute-ms``):
 
 - ``feeds``: a `Feed` in each rank process (rank r of 2), its own decode workers;
 - ``service``: one `FeedService` in a process of its own (started and idle before the ranks connect)
-  and a `FeedClient` in each rank process.
+  and a `FeedClient` in each rank process;
+- ``services`` (only when asked for): a `FeedService` per rank, each serving one rank's `FeedClient`: what a
+  node service would make with an interpreter per rank, the bound of decoding in several processes.
 
 Measured per run over the epochs after the first (the read-ahead is full at both ends of that window,
 so whatever a loader decodes ahead cancels out): samples/s (the sum of the ranks' rates), and CPU: each
@@ -59,7 +61,7 @@ from typing import Any
 import psutil
 
 RESULTS = Path(__file__).with_name("results-service-production.json")
-LAYOUTS = ("feeds", "service")
+LAYOUTS = ("feeds", "service", "services")
 RANKS = 2
 DECODE_GROUPS = ("text", "image", "video", "audio", "meta", "shared")  # omnifeed-{group}-{i}: decode threads
 STALL_S = 0.010  # a wait for a batch longer than this is a stall (shorter ones: the client's own work, scheduling)
@@ -235,7 +237,8 @@ def _loader(spec: dict[str, Any]) -> Any:
         return Feed(SampleIndex(spec["index"]), config, world_size=RANKS, rank=spec["rank"])
     from omnifeed.trainer_adapter import FeedClient
 
-    return FeedClient(spec["socket"], rank=spec["rank"], world_size=RANKS)
+    sockets = spec["sockets"]  # one for the node, or one per rank
+    return FeedClient(sockets[spec["rank"] % len(sockets)], rank=spec["rank"], world_size=RANKS)
 
 
 def _size(batch: dict[str, Any]) -> int:
@@ -341,6 +344,22 @@ def _service_cpu(service: subprocess.Popen[str]) -> dict[str, Any]:
     return dict(json.loads(service.stdout.readline()))
 
 
+def _summed(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """The services' `cpu` snapshots as one: CPU, per-group CPU and scheduling, and instrumented functions added up."""
+    total: dict[str, Any] = {"cpu_s": 0.0, "threads": {}, "sched": {}, "spent": {}, "at": snapshots[0]["at"]}
+    for snapshot in snapshots:
+        total["cpu_s"] += snapshot["cpu_s"]
+        for group, seconds in snapshot["threads"].items():
+            total["threads"][group] = total["threads"].get(group, 0.0) + seconds
+        for group, values in snapshot["sched"].items():
+            into = total["sched"].setdefault(group, [0.0, 0.0, 0])
+            total["sched"][group] = [a + b for a, b in zip(into, values, strict=True)]
+        for name, values in snapshot["spent"].items():
+            into = total["spent"].setdefault(name, [0.0, 0])
+            total["spent"][name] = [a + b for a, b in zip(into, values, strict=True)]
+    return total
+
+
 def _read_rank(child: subprocess.Popen[str], epochs: int, passed: list[threading.Event], out: list[str]) -> None:
     """Read a rank's lines: set ``passed[k]`` when it reports epoch k done; the rest into ``out``."""
     assert child.stdout is not None
@@ -372,19 +391,26 @@ def run_layout(
         "compute_ms": compute_ms,
         "feed": feed,
     }
-    service = None
-    if layout == "service":
-        base["socket"] = str(Path(tempfile.mkdtemp(prefix="omnifeed-prod-", dir=work)) / "feed.sock")
-        service = _spawn(
-            {
-                **base,
-                "role": "service",
-                "service_feed": service_feed,
-                "instrument": instrumented,
-                "service_config": service_config,
-            }
-        )
-        _expect_ready(service)
+    services: list[subprocess.Popen[str]] = []
+    if layout != "feeds":  # service: one for the node; services: one per rank
+        base["sockets"] = [
+            str(Path(tempfile.mkdtemp(prefix="omnifeed-prod-", dir=work)) / "feed.sock")
+            for _ in range(1 if layout == "service" else RANKS)
+        ]
+        for socket in base["sockets"]:
+            services.append(
+                _spawn(
+                    {
+                        **base,
+                        "socket": socket,
+                        "role": "service",
+                        "service_feed": service_feed,
+                        "instrument": instrumented,
+                        "service_config": service_config,
+                    }
+                )
+            )
+            _expect_ready(services[-1])
     ranks = [_spawn({**base, "role": "rank", "rank": r}) for r in range(RANKS)]
     try:
         for child in ranks:
@@ -400,11 +426,11 @@ def run_layout(
         for child in ranks:
             _say(child, "go")
         served = None
-        if service is not None:  # the service's CPU from when both ranks are past epoch 0 to when both are done
+        if services:  # the services' CPU from when both ranks are past epoch 0 to when both are done
             _wait_all([events[0] for events in passed], ranks)
-            before = _service_cpu(service)
+            before = _summed([_service_cpu(service) for service in services])
             _wait_all([events[-1] for events in passed], ranks)
-            after = _service_cpu(service)
+            after = _summed([_service_cpu(service) for service in services])
             served = {
                 "cpu_s": round(after["cpu_s"] - before["cpu_s"], 3),
                 "threads": _minus(after["threads"], before["threads"]),
@@ -427,11 +453,12 @@ def run_layout(
             if child.poll() is None:
                 child.kill()
                 child.wait()
-        if service is not None:
+        for service in services:
             if service.poll() is None:
                 _say(service, "stop")
             service.wait(timeout=60)
-            shutil.rmtree(Path(base["socket"]).parent, ignore_errors=True)
+        for socket in base.get("sockets", []):
+            shutil.rmtree(Path(socket).parent, ignore_errors=True)
     samples = sum(r["steady_samples"] for r in results)
     batches = sum(r["steady_batches"] for r in results)
     cpu = sum(r["cpu_s"] for r in results) + (served["cpu_s"] if served else 0.0)
@@ -482,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
         "--epochs", type=int, default=3, help="Epochs each rank takes per run (the first one warms up)."
     )
     parser.add_argument("--rounds", type=int, default=3, help="Rounds, alternating the order of the layouts.")
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--layouts", nargs="+", default=["feeds", "service"], choices=LAYOUTS)
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "omnifeed-bench-production")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument(
@@ -539,20 +566,22 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
     rows = {layout: _median_row(r) for layout, r in runs.items()}
-    if "feeds" in rows and "service" in rows:
-        feeds, service = rows["feeds"], rows["service"]
-        rows["service"]["vs_feeds"] = {
-            "samples_per_s": round(service["samples_per_s"] / feeds["samples_per_s"], 3),
-            "samples_per_cpu_s": round(service["samples_per_cpu_s"] / feeds["samples_per_cpu_s"], 3),
-        }
+    for layout in ("service", "services"):
+        if "feeds" in rows and layout in rows:
+            feeds, served = rows["feeds"], rows[layout]
+            served["vs_feeds"] = {
+                "samples_per_s": round(served["samples_per_s"] / feeds["samples_per_s"], 3),
+                "samples_per_cpu_s": round(served["samples_per_cpu_s"] / feeds["samples_per_cpu_s"], 3),
+            }
     print(f"\n{'layout':8} {'samples/s':>10} {'samples/CPU s':>14} {'CPU ms/batch':>13} {'waited':>7} {'stalls':>7}")
     for layout, row in rows.items():
         print(
             f"{layout:8} {row['samples_per_s']:10.1f} {row['samples_per_cpu_s']:14.1f} {row['cpu_ms_per_batch']:13.2f}"
             f" {row['waited_fraction']:7.1%} {row['stalls']:7g}  decode threads {row['decode_threads']}"
         )
-    if "vs_feeds" in rows.get("service", {}):
-        print(f"service / feeds: {rows['service']['vs_feeds']}")
+    for layout in ("service", "services"):
+        if "vs_feeds" in rows.get(layout, {}):
+            print(f"{layout} / feeds: {rows[layout]['vs_feeds']}")
     report = {
         "command": " ".join(["python", "benchmarks/bench_service_production.py", *(argv or sys.argv[1:])]),
         "samples": args.samples,
