@@ -98,19 +98,25 @@ def feed_config(budget: float, overrides: dict[str, Any] | None = None) -> Any:
 
 
 # -- CPU per thread group ----------------------------------------------------------------------
+def _groups() -> dict[int, str]:
+    """This process's thread ids and their groups (a thread's name without its trailing number)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    groups = {}
+    for tid in os.listdir("/proc/self/task"):
+        group = re.sub(r"[-_]\d+$", "", names.get(int(tid), "native"))  # native: a library's own thread
+        groups[int(tid)] = re.sub(r"^ThreadPoolExecutor-\d+", "executor", group)
+    return groups
+
+
 def thread_cpu() -> dict[str, float]:
     """This process's CPU seconds per thread group (a thread's name without its trailing number), from /proc."""
     ticks = os.sysconf("SC_CLK_TCK")
-    names = {t.native_id: t.name for t in threading.enumerate()}
     groups: dict[str, float] = {}
-    for tid in os.listdir("/proc/self/task"):
+    for tid, group in _groups().items():
         try:
             fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        name = names.get(int(tid), "native")  # a thread Python did not start (a library's own)
-        group = re.sub(r"[-_]\d+$", "", name)
-        group = re.sub(r"^ThreadPoolExecutor-\d+", "executor", group)
         groups[group] = groups.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
     return groups
 
@@ -122,15 +128,12 @@ def thread_sched() -> dict[str, list[float]]:
     Over a window of W seconds, a group of n threads was running ran / (n W) of the time, waiting
     for a core waited / (n W), and asleep the rest (no work, or a lock: the interpreter lock among them).
     """
-    names = {t.native_id: t.name for t in threading.enumerate()}
     groups: dict[str, list[float]] = {}
-    for tid in os.listdir("/proc/self/task"):
+    for tid, group in _groups().items():
         try:
             ran, waited = (int(v) / 1e9 for v in Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[:2])
         except (OSError, ValueError):
             continue
-        group = re.sub(r"[-_]\d+$", "", names.get(int(tid), "native"))
-        group = re.sub(r"^ThreadPoolExecutor-\d+", "executor", group)
         entry = groups.setdefault(group, [0.0, 0.0, 0])
         entry[0], entry[1], entry[2] = entry[0] + ran, entry[1] + waited, entry[2] + 1
     return groups
@@ -144,7 +147,8 @@ def _decode_shares(
     shares, total = {}, [0.0, 0.0, 0]
     for group, (ran, waited, threads) in after.items():
         if group.startswith("omnifeed-") and group.split("-", 1)[1] in DECODE_GROUPS and threads and window_s > 0:
-            ran, waited = ran - before.get(group, [0.0])[0], waited - before.get(group, [0.0, 0.0])[1]
+            prior = before.get(group, [0.0, 0.0, 0])
+            ran, waited = ran - prior[0], waited - prior[1]
             shares[group] = [ran / threads / window_s, waited / threads / window_s]
             total = [total[0] + ran, total[1] + waited, total[2] + threads]
     if total[2]:
@@ -254,7 +258,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     print("ready", flush=True)
     sys.stdin.readline()
     samples = batches = 0
-    marks = []  # (time, CPU, per-thread CPU, samples, batches) at go and at the end of each epoch
+    marks = []  # (time, CPU, per-group CPU, samples, batches, per-group scheduling) at go and after each epoch
     marks.append((time.perf_counter(), _cpu(), thread_cpu(), 0, 0, thread_sched()))
     compute_s, waited, stalls = spec.get("compute_ms", 0.0) / 1000, [0.0], [0]
     for epoch in range(spec["epochs"]):
@@ -381,7 +385,7 @@ def run_layout(
     service_config: dict[str, Any] | None = None,
     feed: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Two rank processes (and the service for ``service``), one run: rates, CPU, CPU per thread group, over the
+    """Two rank processes (and the service or services), one run: rates, CPU, CPU per thread group, over the
     epochs after the first (the read-ahead is full at both ends, so it cancels out)."""
     base = {
         "layout": layout,
