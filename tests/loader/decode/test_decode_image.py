@@ -60,12 +60,6 @@ def test_decoded_image_has_the_planned_shape_and_dtype(width: int, height: int, 
         assert out.shape == (3, h, w) and out.dtype == np.uint8 and out.flags.c_contiguous
 
 
-def test_native_size_keeps_the_pixels() -> None:
-    rgb = np.random.default_rng(0).integers(0, 256, (20, 30, 3), dtype=np.uint8)
-    out = decode_image(_encode(Image.fromarray(rgb), "PNG"), ImageDecodeConfig(resize="none"))
-    assert np.array_equal(out, rgb.transpose(2, 0, 1))
-
-
 # 2400 x 1900 RGB is over Pillow's 16 MiB block: its rows lie in several blocks, which Pillow does not export
 @pytest.mark.parametrize(("width", "height"), [(30, 20), (1, 1), (2400, 1900)])
 def test_native_size_keeps_the_pixels_however_pillow_stores_them(width: int, height: int) -> None:
