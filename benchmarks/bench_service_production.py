@@ -29,9 +29,10 @@ core* is samples per CPU second over the whole run. ``--compute-ms``: each rank 
 each batch (a step's compute on an accelerator: no CPU of the node's); *waited* is the share of the
 ranks' time spent waiting for a batch, *stalls* the batches waited for over 10 ms (the target with compute
 covering production: none). The service and the feeds also report their CPU per thread group (decode
-pools per modality, stream producers, connection threads, I/O, scheduler), read from
-``/proc`` by thread id, so the table says where each side's CPU went, and how the decode threads spent
-their time (``/proc`` schedstat): *running*, *waiting for a core* (runnable, no core free), *asleep*
+pools per modality, stream producers, connection threads, I/O, scheduler; every thread of the service's
+producer processes as ``omnifeed-producer``, since /proc does not know their names), read from ``/proc``
+by thread id, so the table says where each side's CPU went, and how the decode threads spent their time
+(``/proc`` schedstat): *running*, *waiting for a core* (runnable, no core free), *asleep*
 (no work, or waiting for a lock: the interpreter lock among them); ``--instrument`` adds up the
 service's CPU inside named functions (``time.thread_time``, no profiler). ``--feed`` (`FeedConfig`
 fields) sets every layout's decode workers; ``--service-feed`` (`FeedConfig`) and ``--service-config``
@@ -63,7 +64,9 @@ import psutil
 RESULTS = Path(__file__).with_name("results-service-production.json")
 LAYOUTS = ("feeds", "service", "services")
 RANKS = 2
-DECODE_GROUPS = ("text", "image", "video", "audio", "meta", "shared")  # omnifeed-{group}-{i}: decode threads
+# omnifeed-{group}-{i}: decode threads; omnifeed-producer: every thread of the service's producer processes, whose
+# threads /proc cannot name (their decode threads, pipeline and the idle helpers alike)
+DECODE_GROUPS = ("text", "image", "video", "audio", "meta", "shared", "producer")
 STALL_S = 0.010  # a wait for a batch longer than this is a stall (shorter ones: the client's own work, scheduling)
 
 
@@ -98,13 +101,23 @@ def feed_config(budget: float, overrides: dict[str, Any] | None = None) -> Any:
 
 
 # -- CPU per thread group ----------------------------------------------------------------------
-def _groups() -> dict[int, str]:
-    """This process's thread ids and their groups (a thread's name without its trailing number)."""
+def _groups() -> dict[str, str]:
+    """This process's threads (their /proc task folders) and their groups (a thread's name without its trailing
+    number), and every thread of its producer processes as ``omnifeed-producer``."""
     names = {t.native_id: t.name for t in threading.enumerate()}
     groups = {}
     for tid in os.listdir("/proc/self/task"):
         group = re.sub(r"[-_]\d+$", "", names.get(int(tid), "native"))  # native: a library's own thread
-        groups[int(tid)] = re.sub(r"^ThreadPoolExecutor-\d+", "executor", group)
+        groups[f"/proc/self/task/{tid}"] = re.sub(r"^ThreadPoolExecutor-\d+", "executor", group)
+    me = psutil.Process()
+    for child in me.children(recursive=True):
+        try:
+            if child.ppid() == me.pid:  # the fork server and the resource tracker; producers are the server's
+                continue
+            for thread in os.listdir(f"/proc/{child.pid}/task"):
+                groups[f"/proc/{child.pid}/task/{thread}"] = "omnifeed-producer"
+        except (psutil.Error, OSError):
+            continue
     return groups
 
 
@@ -112,9 +125,9 @@ def thread_cpu() -> dict[str, float]:
     """This process's CPU seconds per thread group (a thread's name without its trailing number), from /proc."""
     ticks = os.sysconf("SC_CLK_TCK")
     groups: dict[str, float] = {}
-    for tid, group in _groups().items():
+    for task, group in _groups().items():
         try:
-            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"{task}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         groups[group] = groups.get(group, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
@@ -129,9 +142,9 @@ def thread_sched() -> dict[str, list[float]]:
     for a core waited / (n W), and asleep the rest (no work, or a lock: the interpreter lock among them).
     """
     groups: dict[str, list[float]] = {}
-    for tid, group in _groups().items():
+    for task, group in _groups().items():
         try:
-            ran, waited = (int(v) / 1e9 for v in Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[:2])
+            ran, waited = (int(v) / 1e9 for v in Path(f"{task}/schedstat").read_text().split()[:2])
         except (OSError, ValueError):
             continue
         entry = groups.setdefault(group, [0.0, 0.0, 0])

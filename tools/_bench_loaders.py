@@ -112,15 +112,25 @@ def run_omnifeed_service(spec: RunSpec) -> Iterable[dict[str, Any]]:
     from omnifeed.trainer_adapter import FeedClient
 
     service, socket = start_service(spec, Path(spec.work))
+    return _ServiceEpoch(service, FeedClient(socket))
 
-    def batches() -> Iterator[dict[str, Any]]:
+
+class _ServiceEpoch:
+    """One epoch from a service child, then the service stopped; ``cpu_at_end``: the process tree's CPU seconds just
+    before the stop (its producer processes are reaped by its fork server, which outlives it unreaped: their CPU
+    would leave the tree with the service)."""
+
+    def __init__(self, service: Any, client: Any) -> None:
+        self._service, self._client = service, client
+        self.cpu_at_end: float | None = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
-            yield from _epoch(FeedClient(socket))
+            yield from _epoch(self._client)
+            self.cpu_at_end = _tree_cpu_seconds()
         finally:
-            service.terminate()
-            service.wait(timeout=60)
-
-    return batches()
+            self._service.terminate()
+            self._service.wait(timeout=60)
 
 
 def _epoch(client: Any) -> Iterator[dict[str, Any]]:
@@ -180,7 +190,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
     """One epoch of ``spec``: samples, time to the first batch, then the steady part after it (seconds and CPU
     seconds of this process tree, so start-up costs such as imports and worker spawning are apart)."""
     cpu_start, start = _cpu_seconds(), time.perf_counter()
-    batches = iter(RUNNERS[spec.loader](spec))
+    source = RUNNERS[spec.loader](spec)
+    batches = iter(source)
     samples, first_at, first_samples, first_cpu = 0, 0.0, 0, 0.0
     for batch in batches:
         n = batch_size_of(batch)
@@ -189,7 +200,8 @@ def run(spec: RunSpec) -> dict[str, Any]:
         samples += n
         del batch
     end, end_cpu = time.perf_counter(), _tree_cpu_seconds()
-    del batches  # workers joined before the whole run's CPU is counted
+    end_cpu = getattr(source, "cpu_at_end", None) or end_cpu
+    del batches, source  # workers joined before the whole run's CPU is counted
     return {
         "samples": samples,
         "first_batch_s": round(first_at - start, 3),

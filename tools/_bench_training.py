@@ -10,8 +10,8 @@ barrier (the all-reduce). The same four-modality mix, decode and cores for every
   worker processes each;
 - ``omnifeed``: the feed in each rank's process (``FeedClient.in_process``), budget-mode plan at
   the budget `omnifeed plan --suggest-budget BATCH_SIZE` prints, ``workers / ranks`` decode threads each;
-- ``omnifeed-service``: one `omnifeed serve` for the node with ``workers`` decode threads, a
-  ``FeedClient`` per rank.
+- ``omnifeed-service``: one `omnifeed serve` for the node, a ``FeedClient`` per rank; its streams make
+  their batches in a producer process each (``producers: auto``), ``workers / ranks`` decode threads each.
 
 Three compute points: none (the loader's own rate), *data-heavy* (``c`` such that the DataLoader's
 compute per step is half its production time per step, measured first in a run without
@@ -85,7 +85,7 @@ def run_job(config: TrainingConfig, data: TrainingData, loader: str, seconds_per
     """One epoch of the simulated job on ``loader``: each rank's step records."""
     import multiprocessing
 
-    threads = config.workers if loader == "omnifeed-service" else max(1, config.workers // config.ranks)
+    threads = max(1, config.workers // config.ranks)  # the service's producers decode per rank, as the feeds do
     service = {
         "index": data.index,
         "feed": feed_config(data.budget["suggested_budget"], threads).model_dump(mode="json"),

@@ -141,7 +141,8 @@ class Service:
         return self.process.returncode
 
     def decode_workers(self) -> list[psutil.Process]:
-        """The service's decode worker processes (children of its multiprocessing fork server)."""
+        """The service's worker processes: children of its multiprocessing fork server — its streams' producer
+        processes (``producers: processes``) and decode worker processes (``executor: processes``) alike."""
         try:
             tree = psutil.Process(self.pid).children(recursive=True)
         except psutil.Error:

@@ -7,7 +7,7 @@ from ._meta import ColumnKind, decode_meta
 from ._process_tasks import decode_in_process
 from ._registry import make_decoder
 from ._text import follow_index_tokenizer
-from ._worker_procs import WorkerDied, WorkerProcesses
+from ._worker_procs import WorkerDied, WorkerProcesses, child_process_type
 
 __all__ = [
     "AudioDecodeConfig",
@@ -21,6 +21,7 @@ __all__ = [
     "WorkerDied",
     "WorkerProcesses",
     "as_numpy",
+    "child_process_type",
     "decode_in_process",
     "decode_meta",
     "follow_index_tokenizer",

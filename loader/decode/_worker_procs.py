@@ -36,6 +36,7 @@ from concurrent.futures import CancelledError
 from multiprocessing import popen_forkserver
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import BaseContext, ForkServerProcess
+from multiprocessing.process import BaseProcess
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -129,6 +130,13 @@ class _LeanProcess(ForkServerProcess):
         return _LeanPopen(process_obj)
 
 
+def child_process_type(context: BaseContext) -> type[BaseProcess]:
+    """The ``Process`` class that starts a child running only omnifeed functions from ``context``: with the fork
+    server (Python 3.8–3.13), one that does not re-run the parent's ``__main__``; else the context's own."""
+    lean = context.get_start_method() == "forkserver" and sys.version_info < _LEAN_UNTIL
+    return _LeanProcess if lean else context.Process  # type: ignore[attr-defined,no-any-return]
+
+
 class _Worker:
     """One worker process and the parent's end of its pipe (the child's end is closed here after start)."""
 
@@ -137,8 +145,7 @@ class _Worker:
         parent, child = context.Pipe(duplex=True)
         try:
             handle = self.scratch.handle() if self.scratch is not None else None
-            lean = context.get_start_method() == "forkserver" and sys.version_info < _LEAN_UNTIL
-            process = _LeanProcess if lean else context.Process  # type: ignore[attr-defined]
+            process = child_process_type(context)
             self.process = process(target=_serve, args=(child, handle), name=name, daemon=True)
             self.process.start()
         except BaseException:

@@ -53,12 +53,16 @@ _REF = struct.Struct("<iIQBB")  # segment slot, its generation, offset, dtype co
 class Segment:
     """One shared-memory file mapped into the service: a slot of its stream (``slot`` -1: one-off)."""
 
-    def __init__(self, slot: int, generation: int, size: int) -> None:
+    def __init__(self, slot: int, generation: int, size: int, fd: int | None = None) -> None:
+        """A new segment of at least ``size`` bytes; with ``fd``, the service's segment of exactly ``size`` bytes that
+        descriptor names, mapped here (a stream's producer process writes its batches there; the fd is this
+        segment's now)."""
         self.slot, self.generation = slot, generation
-        self.size = max(_MIN_SEGMENT, size)
-        self.fd = os.memfd_create(f"omnifeed-batch-{slot}", os.MFD_CLOEXEC)
+        self.size = max(_MIN_SEGMENT, size) if fd is None else size
+        self.fd = os.memfd_create(f"omnifeed-batch-{slot}", os.MFD_CLOEXEC) if fd is None else fd
         try:
-            os.ftruncate(self.fd, self.size)
+            if fd is None:
+                os.ftruncate(self.fd, self.size)
             self._map = mmap.mmap(self.fd, self.size)
         except BaseException:
             os.close(self.fd)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -51,6 +52,14 @@ class ServiceConfig(BaseModel):
         "retake it for each chunk or frame they decode: at 5 ms a thread that wants it back waits behind any Python "
         "running, and the node's production fell to 0.7x two in-process feeds (benchmarks/RESULTS.md, issue 29).",
     )
+    producers: Literal["auto", "threads", "processes"] = Field(
+        default="auto",
+        description="Where each data-parallel stream decodes and collates its batches: `processes`, a process of its "
+        "own per stream, with the feed's decode workers (as that rank's in-process Feed would have; the RAM and NVMe "
+        "tiers stay the node's); `threads`, in the service's process on decode workers every stream shares (one "
+        "interpreter lock for the node: 0.72-0.79x two in-process feeds for two ranks); `auto`, processes unless a "
+        "modality decodes on Ray (executor: ray), whose actors are the service's. docs/service.md, 'Producers'.",
+    )
     stream_idle_s: float = Field(
         default=30.0, ge=0, description="A stream without clients keeps its prefetched batches this long, then closes."
     )
@@ -87,6 +96,23 @@ class ServiceConfig(BaseModel):
         if self.index is not None and self.feed.plan.mixture is not None:
             raise ValueError("feed.plan.mixture names the indexes it reads: drop index (or the mixture)")
         return self
+
+    @model_validator(mode="after")
+    def _ray_actors_are_the_services(self) -> ServiceConfig:
+        if self.producers == "processes" and self._ray_modalities():
+            raise ValueError(
+                f"producers: processes cannot decode {', '.join(self._ray_modalities())} on Ray (executor: ray): the "
+                "actors are the service's; set producers: threads (or auto)"
+            )
+        return self
+
+    def _ray_modalities(self) -> list[str]:
+        return sorted(m for m, pool in self.feed.pools.items() if pool.executor == "ray")
+
+    @property
+    def producer_processes(self) -> bool:
+        """Whether each stream makes its batches in a process of its own (``producers``, ``auto`` resolved)."""
+        return self.producers == "processes" or (self.producers == "auto" and not self._ray_modalities())
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> ServiceConfig:

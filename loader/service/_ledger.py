@@ -17,6 +17,8 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+import numpy as np
+
 from ..index import SampleIndex
 from ..plan import MicroBatch
 from ._stream import Ready, Stream
@@ -47,11 +49,16 @@ class BatchLedger:
     def take(self, micro_batch: MicroBatch) -> list[dict[str, Any]] | None:
         """The decoded samples of ``micro_batch`` if a retired stream had prefetched it (taken once; the keys must
         match: another plan's micro-batch of the same number is not it)."""
+        return self.take_at(micro_batch.epoch, micro_batch.index, micro_batch.positions)
+
+    def take_at(self, epoch: int, number: int, positions: np.ndarray | list[int]) -> list[dict[str, Any]] | None:
+        """`take` of the micro-batch ``number`` of ``epoch`` made of the samples at ``positions`` (a producer process
+        asks with these)."""
         with self._lock:
             if not self._handover:
                 return None
-            entry = self._handover.pop((micro_batch.epoch, micro_batch.index), None)
-        if entry is None or entry[0] != self._index.keys(micro_batch.positions):
+            entry = self._handover.pop((epoch, number), None)
+        if entry is None or entry[0] != self._index.keys(positions):
             return None
         with self._lock:
             self.handed_over += 1

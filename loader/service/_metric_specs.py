@@ -33,6 +33,9 @@ CLIENTS = _m("service_clients", "gauge", "", "trainer clients connected")
 STREAMS = _m("service_streams", "gauge", "", "batch streams open (one per rank)")
 SEGMENTS = _m("service_segments", "gauge", "", "shared-memory batch segments held")
 SEGMENT_BYTES = _m("service_segment_bytes", "gauge", "", "bytes of shared-memory batch segments held")
+PRODUCER_RESTARTS = _m(
+    "service_producer_restarts", "gauge", "", "producer processes of the open streams lost and replaced"
+)
 ELAPSED = _m(
     "feed_elapsed_seconds", "gauge", "", "seconds the feed engine has run (the base of the *_per_second gauges)"
 )

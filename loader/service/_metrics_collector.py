@@ -48,6 +48,7 @@ from ._metric_specs import (
     ELAPSED,
     LOCAL_PER_S,
     METRICS,
+    PRODUCER_RESTARTS,
     QUEUED,
     READ_AHEAD,
     REMOTE_CONNECTED,
@@ -201,6 +202,7 @@ def _fill(families: _Families, snap: Mapping[str, Any]) -> None:
         (STREAMS, "streams"),
         (SEGMENTS, "segments"),
         (SEGMENT_BYTES, "segment_bytes"),
+        (PRODUCER_RESTARTS, "producer_restarts"),
     ):
         families.add(spec, service.get(key))
     for spec, key in (

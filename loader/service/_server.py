@@ -7,9 +7,11 @@
            ──next(released batches)──▶ the batch whose start is the client's cursor
            ◀──batch(header; a segment's descriptor the first time)── tensors are views of shared memory
 
-One `DecodeEngine` (field reader: cache tiers, I/O threads, decoders; decode workers) serves
-every stream. Each client holds its own cursor (the feed state after the last batch it yielded), so
-a restarted service, or a restarted stream, continues every client exactly where it was.
+Each stream's batches are made by its `Feed` in a producer process of its own (``producers:
+processes``, what ``auto`` means without Ray), or in this process on one `DecodeEngine` (field
+reader: cache tiers, I/O threads, decoders; decode workers) every stream shares (``threads``).
+Each client holds its own cursor (the feed state after the last batch it yielded), so a
+restarted service, or a restarted stream, continues every client exactly where it was.
 
 `FeedService` composes small owners, each with one job::
 
@@ -18,6 +20,7 @@ a restarted service, or a restarted stream, continues every client exactly where
                 ├─ Handshake         (_handshake)  a hello checked against the plan and bounds → Hello
                 ├─ StreamTable       (_streams)    streams by key, topology changes (Resizes), idle streams
                 │    └─ Stream*      (_stream)     one dp rank's batches; gets a StreamContext, never the service
+                │         └─ Producer (_producer)  its Feed in a producer process, or here on the shared engine
                 ├─ BatchLedger       (_ledger)     batches handed over from retired streams, batches lent out
                 └─ AttemptLog        (_attempts)   attempts by checkpoint, resume markers, the audit log
 
@@ -32,6 +35,7 @@ import array
 import fcntl
 import itertools
 import logging
+import multiprocessing
 import select
 import socket
 import sys
@@ -39,10 +43,11 @@ import termios
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..feed import DealtSteps, DecodeEngine, open_feed_index
+from ..feed import DealtSteps, DecodeEngine, FeedPosition, SharedResources, open_feed_index
 from ..plan import Plan
 from ._attempts import AttemptLog
 from ._config import ServiceConfig
@@ -50,9 +55,11 @@ from ._connection import Connection, refuse
 from ._handshake import Handshake
 from ._ledger import BatchLedger
 from ._listener import Listener
+from ._producer import ChildProducer, FeedProducer, Producer, ProducerSpec
+from ._producer_metrics import counters_of, merged_metrics
 from ._protocol import PROTOCOL, RequestError, send
 from ._stream import Stream, StreamContext
-from ._streams import Resizes, StreamTable
+from ._streams import Key, Resizes, StreamTable
 
 log = logging.getLogger("omnifeed.service")
 
@@ -62,6 +69,7 @@ class FeedService:
 
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
+        self.producer_processes = _producer_processes(config)  # before anything is built: it may refuse
         self.attempts = AttemptLog(config.audit_log)
         self.index = open_feed_index(config.index, config.feed)  # one index, or a mixture's sources
         # the decoder tokenizes as the index counted (refused at start when set otherwise)
@@ -81,9 +89,7 @@ class FeedService:
         self.dealt = DealtSteps(self.plan)  # each step dealt once for every stream
         shared = engine.shared(self.plan, self.ledger.take, self.dealt)
         context = StreamContext(
-            self.index,
-            config.feed,
-            shared,
+            self._producer_factory(shared),
             config.prefetch_batches,
             next_seq=itertools.count().__next__,
             record_resize=self._resizes.record,
@@ -94,6 +100,7 @@ class FeedService:
             context, self.ledger, self._resizes, config.max_clients, config.max_micro_batches_dealt
         )
         self._lock = threading.Lock()
+        self._retired_counts: dict[str, Any] = {}  # of the producer processes closed (producers: processes)
         self._connections: dict[int, Connection] = {}
         self._next_id = 1
         self.instance = uuid.uuid4().hex  # clients tell services apart by it (batch numbers are per instance)
@@ -104,6 +111,23 @@ class FeedService:
         self._metrics_server: Any = None
         self.metrics_port: int | None = None
         self._switch_interval: float | None = None  # the process's before start() set the service's
+
+    def _producer_factory(self, shared: SharedResources) -> Callable[[Key, FeedPosition], Producer]:
+        """How each stream's batches are made (``config.producers``): here, on ``shared``, or in a process each."""
+        index, config = self.index, self.config
+        if not self.producer_processes:
+            return lambda key, start: FeedProducer(index, config.feed, shared, key, start)
+        where = None if config.index is None else str(Path(config.index).resolve())
+        feed_json = config.feed.model_dump_json()
+        ledger = self.ledger
+        return lambda key, start: ChildProducer(
+            ProducerSpec(where, feed_json, key), self._retired, ledger.take_at
+        ).start_at(start)
+
+    def _retired(self, snapshot: dict[str, Any]) -> None:
+        """A producer process closed: what it counted stays in the service's metrics."""
+        with self._lock:
+            self._retired_counts = merged_metrics([self._retired_counts, counters_of(snapshot)])
 
     @property
     def address(self) -> str:
@@ -322,7 +346,7 @@ class FeedService:
                 "clients": len(clients),
                 **streams,
             },
-            **self.engine.snapshot(self.pools.buffers()),
+            **self._engine_metrics(),
             "clients": clients,
             "resizes": self._resizes.count,
             "resize_seconds": self._resizes.seconds,
@@ -330,6 +354,29 @@ class FeedService:
             "handed_over": self.ledger.handed_over,
             **({"remote": self.reader.remote.snapshot()} if self.reader.remote is not None else {}),
         }
+
+    def _engine_metrics(self) -> dict[str, Any]:
+        """The decode engine's part of the metrics: the service's, with its streams' producer processes' summed in."""
+        snapshot = self.engine.snapshot(self.pools.buffers())
+        children = [m for s in self.streams.streams() if (m := s.producer.metrics()) is not None]
+        with self._lock:
+            retired = self._retired_counts
+        parts = [snapshot, *children, *([retired] if retired else [])]
+        return merged_metrics(parts) if len(parts) > 1 else snapshot
+
+
+def _producer_processes(config: ServiceConfig) -> bool:
+    """Whether the streams make their batches in producer processes: as ``config`` says, but a daemonic process (a
+    multiprocessing ``daemon``) cannot start any — ``auto`` then decodes in threads, ``processes`` is refused."""
+    if not config.producer_processes or not multiprocessing.current_process().daemon:
+        return config.producer_processes
+    if config.producers == "processes":
+        raise ValueError(
+            "producers: processes cannot start producer processes from a daemonic process (multiprocessing "
+            "daemon=True); set producers: threads or auto, or run the service in a process that is not a daemon"
+        )
+    log.info("the service runs in a daemonic process, which cannot start producer processes: its streams use threads")
+    return False
 
 
 def _batch_numbers(numbers: Any, field: str) -> set[int]:

@@ -1,7 +1,8 @@
 """A stream of the feed service: one data-parallel rank's batches, produced ahead into shared memory.
 
-A `Stream` is a `Feed` for one (data-parallel size, rank, accumulation) plus a producer thread
-that collates each batch straight into one of the stream's segments. Clients attached to it
+A `Stream` is a producer of one (data-parallel size, rank, accumulation)'s batches — its `Feed` in
+the service's process or in a process of its own (`_producer`) — plus a producer thread that has
+each batch collated straight into one of the stream's segments. Clients attached to it
 (tensor/context-parallel peers) each have a cursor; a client is served the batch that starts at
 its cursor. A batch is dropped when every client of the group is past it; its segment is reused
 once no client holds its tensors. What a stream needs from the service around it comes in a
@@ -17,10 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..feed import Feed, FeedConfig, FeedPosition, SharedResources, Taken, collate, uncollate
-from ..index import SampleIndex
-from ._arena import Segment, SegmentWriter, decode_arrays, encode_batch
-from ._protocol import RequestError, encode
+from ..feed import FeedPosition, uncollate
+from ._arena import Segment, decode_arrays
+from ._producer import Producer
+from ._protocol import RequestError
 from ._slots import SegmentSlots
 
 log = logging.getLogger("omnifeed.service")
@@ -28,17 +29,15 @@ log = logging.getLogger("omnifeed.service")
 
 @dataclass(frozen=True)
 class StreamContext:
-    """What a stream needs from the service: the engine it shares with the other streams, and where it reports.
+    """What a stream needs from the service: who makes its batches, and where it reports.
 
-    ``next_seq``: a batch number unique in the service; ``record_resize(started)``: a stream of a new topology
-    served its first batch (``started``: when the change began, ``time.perf_counter``); ``audit(record)``: log a
-    delivery; ``lend(ready, stream)``: keep track of a dropped batch clients still hold (called holding the
-    stream's lock: it must not call back into the stream).
+    ``producer(key, start)``: the stream's producer, at ``start``; ``next_seq``: a batch number unique in the
+    service; ``record_resize(started)``: a stream of a new topology served its first batch (``started``: when the
+    change began, ``time.perf_counter``); ``audit(record)``: log a delivery; ``lend(ready, stream)``: keep track
+    of a dropped batch clients still hold (called holding the stream's lock: it must not call back into the stream).
     """
 
-    index: SampleIndex
-    config: FeedConfig
-    shared: SharedResources  # plan, field reader, metrics, decode pools, hand-over
+    producer: Callable[[tuple[int, int, int], FeedPosition], Producer]
     prefetch_batches: int  # collated batches kept ready ahead of the clients
     next_seq: Callable[[], int]
     record_resize: Callable[[float], None]
@@ -85,7 +84,7 @@ def returned_record(record: dict[str, Any], since: str | None) -> dict[str, Any]
 
 
 class Stream:
-    """One data-parallel rank's batches: a feed, a producer thread, ready batches in shared memory.
+    """One data-parallel rank's batches: a producer, a producer thread, ready batches in shared memory.
 
     The stream locks itself: its public methods take its lock, callers never do. Holding it, the stream calls
     out only to its context's ``record_resize``, ``audit`` and ``lend``, which take their own locks and never
@@ -94,23 +93,19 @@ class Stream:
 
     def __init__(self, context: StreamContext, key: tuple[int, int, int], group: int, start: FeedPosition) -> None:
         self.context, self.key, self.group = context, key, group
-        dp_world, dp_rank, accum = key
-        self.feed = Feed(
-            context.index, context.config, world_size=dp_world, rank=dp_rank, grad_accum=accum, shared=context.shared
-        )
+        self.producer = context.producer(key, start)
         self.resize_started: float | None = None  # set when this stream serves a new topology
-        self.feed.seek(start)  # checked by the handshake: no plan cursor is rebuilt
         self._cond = threading.Condition()
         self.ready: list[Ready] = []
         self.clients: dict[int, _Attached] = {}
-        self.head = self.feed.position  # where the producer continues
+        self.head = self.producer.position  # where the producer continues
         self.restart_to: FeedPosition | None = None
         self.error: BaseException | None = None
         self.closed = False
         self.idle_since: float | None = time.monotonic()
         self._segments = SegmentSlots()
         self._prefetch = context.prefetch_batches
-        self._thread = threading.Thread(target=self._produce, name=f"omnifeed-stream-{dp_rank}", daemon=True)
+        self._thread = threading.Thread(target=self._produce, name=f"omnifeed-stream-{key[1]}", daemon=True)
         self._thread.start()
 
     # -- producer --------------------------------------------------------------------------
@@ -153,15 +148,19 @@ class Stream:
                         self._restart(self.restart_to)
                         continue
                     before = self.head
-                taken = self.feed.take()
-                after = self.feed.position
+                seq = self.context.next_seq()
+                produced = self.producer.produce(seq, self._free_segment, self._grown)
                 with self._cond:
-                    if self.closed:
-                        return
-                    if self.restart_to is not None:  # a client asked for an earlier position meanwhile
+                    if self.closed or self.restart_to is not None:  # or a client asked for an earlier position
+                        self._segments.recycle(produced.segment, False, self._slot_limit())
+                        if self.closed:
+                            return
                         continue
-                    segment = self._segments.take(self._slot_limit())
-                self._publish(taken, before, after, segment)
+                    self.ready.append(
+                        Ready(seq, before, produced.after, produced.segment, produced.frame, produced.record)
+                    )
+                    self.head = produced.after
+                    self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001  handed to the clients, who get an error reply
             with self._cond:
                 if not self.closed:
@@ -174,35 +173,19 @@ class Stream:
         self.restart_to = None
         for ready in list(self.ready):
             self._drop(ready)
-        self.feed.seek(position)
-        self.head = self.feed.position
+        self.producer.seek(position)
+        self.head = self.producer.position
 
-    def _publish(self, taken: Taken, before: FeedPosition, after: FeedPosition, segment: Segment) -> None:
-        writer = SegmentWriter(segment)
-        batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
-        if writer.overflowed:
-            del batch
-            with self._cond:
-                grown = self._segments.grow(segment, writer.needed)
-            segment.close()
-            segment, writer = grown, SegmentWriter(grown)
-            batch = collate(taken.samples, taken.keys, taken.info, writer.alloc)
-        seq = self.context.next_seq()
-        layout, rest = encode_batch(batch, segment)
-        message = {
-            "op": "batch",
-            "seq": seq,
-            "segment": segment.name,
-            "layout": layout,
-            "batch": rest,
-            "state": after.to_dict(),
-        }
-        frame = encode(message)
-        del batch, message, rest
+    def _free_segment(self) -> Segment:
         with self._cond:
-            self.ready.append(Ready(seq, before, after, segment, frame, taken.record))
-            self.head = after
-            self._cond.notify_all()
+            return self._segments.take(self._slot_limit())
+
+    def _grown(self, segment: Segment, needed: int) -> Segment:
+        """The segment that replaces ``segment``, which a batch of ``needed`` bytes overflowed (closed here)."""
+        with self._cond:
+            grown = self._segments.grow(segment, needed)
+        segment.close()
+        return grown
 
     # -- clients ---------------------------------------------------------------------------
     def _servable(self, position: FeedPosition) -> bool:
@@ -357,7 +340,9 @@ class Stream:
     def harvest(self) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
         """Batches no client took yet, as (delivery record, decoded samples): views of their segments, which are never
         reused. The views keep the pages alive after the stream closes."""
-        harvested = []
+        harvested: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
+        if not self.producer.hands_over:  # decoded in another process: the new streams decode them again
+            return harvested
         with self._cond:
             for ready in self.ready:
                 base = ready.segment.base
@@ -402,7 +387,7 @@ class Stream:
                 return
             self.closed = True
             self._cond.notify_all()
-        self.feed.close()
+        self.producer.close()
         self._thread.join(timeout=30)
         with self._cond:
             self._segments.close()

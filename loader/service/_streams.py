@@ -126,16 +126,20 @@ class StreamTable:
             stream.close()
 
     def close(self) -> None:
-        """Close every stream."""
+        """Close every stream, all at once (each may wait for its producer process to finish a batch)."""
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
-        for stream in streams:
-            stream.close()
+        closing = [threading.Thread(target=s.close, name="omnifeed-close", daemon=True) for s in streams]
+        for thread in closing:
+            thread.start()
+        for thread in closing:
+            thread.join()
 
     def snapshot(self) -> dict[str, Any]:
         """The streams' part of the metrics: ``clients`` (one row per attached client), ``streams``, ``segments``,
-        ``segment_bytes``, ``one_off_segments``."""
+        ``segment_bytes``, ``one_off_segments``, ``producer_pids`` (of the streams' producer processes, when they
+        have them) and ``producer_restarts`` (producer processes lost and replaced, in the open streams)."""
         streams = self.streams()
         clients = []
         segments = segment_bytes = one_offs = 0
@@ -149,6 +153,8 @@ class StreamTable:
             "segments": segments,
             "segment_bytes": segment_bytes,
             "one_off_segments": one_offs,
+            "producer_pids": [pid for s in streams if (pid := s.producer.pid) is not None],
+            "producer_restarts": sum(s.producer.restarts for s in streams),
         }
 
     def _stale(self) -> list[Stream]:

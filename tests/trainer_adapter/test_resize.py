@@ -96,8 +96,11 @@ def test_two_to_one_to_three_ranks_deliver_the_epoch_exactly_once(
     assert {r["topology_version"] for r in records if r["epoch"] == 0} == {0, 1, 2}
 
 
-def test_prefetched_batches_are_handed_over_to_the_new_ranks_not_decoded_again(index_dir: Path, tmp_path: Path) -> None:
-    config = service_config(index_dir, tmp_path / "audit.jsonl")
+@pytest.mark.parametrize("producers", ["threads", "processes"])
+def test_prefetched_batches_are_handed_over_to_the_new_ranks_not_decoded_again(
+    index_dir: Path, tmp_path: Path, producers: str
+) -> None:
+    config = service_config(index_dir, tmp_path / "audit.jsonl").model_copy(update={"producers": producers})
     with FeedService(config) as service:
         ranks = [FeedClient(config.socket, rank=r, world_size=2) for r in range(2)]
         step(ranks)

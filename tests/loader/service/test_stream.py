@@ -1,7 +1,8 @@
 """A stream alone, over the demo index: its rank's batches in plan order in shared memory, peers, restarts, release.
 
-The stream gets a `StreamContext` built here from real engine parts (never a service); what it
-reports through the context (batch numbers, audit records, lent batches) is recorded.
+The stream gets a `StreamContext` built here from real engine parts (never a service), with each of
+the two producers (its feed in this process, or in a producer process); what it reports through the
+context (batch numbers, audit records, lent batches) is recorded.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from omnifeed.loader.feed import DecodeEngine, FeedPosition
 from omnifeed.loader.index import SampleIndex
 from omnifeed.loader.plan import Plan
 from omnifeed.loader.service._ledger import BatchLedger
+from omnifeed.loader.service._producer import ChildProducer, FeedProducer, Producer, ProducerSpec
 from omnifeed.loader.service._protocol import RequestError, decode
 from omnifeed.loader.service._stream import Ready, Stream, StreamContext
 from omnifeed.loader.service._streams import Resizes, StreamTable
@@ -29,21 +31,31 @@ CONFIG = FeedConfig(plan=PlanConfig(seed=3, batch_size=4))  # the demo index: 48
 class Recorded:
     """What streams told their context."""
 
-    def __init__(self) -> None:
+    def __init__(self, index: SampleIndex, plan: Plan) -> None:
+        self.index, self.plan = index, plan
         self.audited: list[dict[str, Any]] = []
         self.lent: list[Ready] = []
 
 
-@pytest.fixture
-def parts(index_dir: Path) -> Iterator[tuple[StreamContext, Recorded]]:
+@pytest.fixture(params=["threads", "processes"])
+def parts(index_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[StreamContext, Recorded]]:
     index = SampleIndex(index_dir)
     plan = Plan.from_index(index, CONFIG.plan)
     engine = DecodeEngine.build(index, CONFIG)
-    seen = Recorded()
+    seen = Recorded(index, plan)
+    if request.param == "threads":
+        shared = engine.shared(plan)
+
+        def producer(key: tuple[int, int, int], start: FeedPosition) -> Producer:
+            return FeedProducer(index, engine.config, shared, key, start)
+    else:
+        spec = engine.config.model_dump_json()
+
+        def producer(key: tuple[int, int, int], start: FeedPosition) -> Producer:
+            return ChildProducer(ProducerSpec(str(index_dir), spec, key)).start_at(start)
+
     context = StreamContext(
-        index,
-        CONFIG,
-        engine.shared(plan),
+        producer,
         prefetch_batches=2,
         next_seq=itertools.count().__next__,
         record_resize=lambda started: None,
@@ -54,8 +66,9 @@ def parts(index_dir: Path) -> Iterator[tuple[StreamContext, Recorded]]:
     engine.close()
 
 
-def start(context: StreamContext, key: tuple[int, int, int] = (1, 0, 1), group: int = 1) -> Stream:
-    return Stream(context, key, group, FeedPosition.start(context.shared.plan, world_size=key[0], grad_accum=key[2]))
+def start(parts: tuple[StreamContext, Recorded], key: tuple[int, int, int] = (1, 0, 1), group: int = 1) -> Stream:
+    context, seen = parts
+    return Stream(context, key, group, FeedPosition.start(seen.plan, world_size=key[0], grad_accum=key[2]))
 
 
 def take(stream: Stream, client: int) -> Ready:
@@ -68,7 +81,7 @@ def attach(stream: Stream, client: int, state: FeedPosition | None = None, group
 
 def test_a_stream_delivers_its_ranks_micro_batches_in_plan_order_in_shared_memory(parts, index_dir: Path) -> None:
     context, seen = parts
-    stream = start(context, key=(2, 1, 1))
+    stream = start(parts, key=(2, 1, 1))
     try:
         attach(stream, 7)
         taken = [take(stream, 7) for _ in range(3)]
@@ -85,7 +98,7 @@ def test_a_stream_delivers_its_ranks_micro_batches_in_plan_order_in_shared_memor
 
 def test_peers_of_a_group_get_the_same_batch_audited_once(parts) -> None:
     context, seen = parts
-    stream = start(context, group=2)
+    stream = start(parts, group=2)
     try:
         attach(stream, 1, group=2)
         attach(stream, 2, group=2)
@@ -100,7 +113,7 @@ def test_a_batch_given_back_by_every_peer_that_took_it_is_logged_returned_and_ag
     parts, index_dir: Path
 ) -> None:
     context, seen = parts
-    stream = start(context, group=3)
+    stream = start(parts, group=3)
     try:
         for client in (1, 2, 3):
             attach(stream, client, group=3)
@@ -125,7 +138,7 @@ def test_a_batch_given_back_by_every_peer_that_took_it_is_logged_returned_and_ag
 
 def test_a_batch_a_crashed_client_still_holds_is_logged_again_for_the_attempt_that_takes_it(parts) -> None:
     context, seen = parts
-    stream = start(context)
+    stream = start(parts)
     try:
         start_position = stream.head
         attach(stream, 1)  # attempt a1: takes two batches, holds them, and is killed (its end not yet seen)
@@ -140,7 +153,7 @@ def test_a_batch_a_crashed_client_still_holds_is_logged_again_for_the_attempt_th
 
 def test_a_client_at_an_earlier_position_restarts_production_there_and_held_batches_are_lent(parts) -> None:
     context, seen = parts
-    stream = start(context)
+    stream = start(parts)
     try:
         attach(stream, 1)
         origin = stream.head
@@ -158,7 +171,7 @@ def test_a_client_at_an_earlier_position_restarts_production_there_and_held_batc
 
 def test_a_lent_batch_returned_by_its_last_holder_who_left_gives_up_its_segment(parts) -> None:
     context, seen = parts
-    stream = start(context)
+    stream = start(parts)
     try:
         attach(stream, 1)
         origin = stream.head
@@ -178,7 +191,7 @@ def test_a_lent_batch_returned_by_its_last_holder_who_left_gives_up_its_segment(
 
 def test_a_released_batch_is_dropped_and_its_segment_reused(parts) -> None:
     context, _ = parts
-    stream = start(context)
+    stream = start(parts)
     try:
         attach(stream, 1)
         first = take(stream, 1)
@@ -196,14 +209,18 @@ def test_a_released_batch_is_dropped_and_its_segment_reused(parts) -> None:
 
 
 def test_untaken_batches_are_harvested_as_decoded_samples(parts) -> None:
-    context, _ = parts
-    stream = start(context)
+    """A producer process's batches are not (the new streams' processes could not take them: they decode again)."""
+    stream = start(parts)
     try:
         with stream._cond:  # the producer's state, observed; harvest takes the lock again (a Condition's RLock)
             stream._cond.wait_for(lambda: len(stream.ready) >= 2 or stream.error is not None, timeout=60)
+            assert stream.error is None
             harvested = stream.harvest()
     finally:
         stream.close()
+    if not stream.producer.hands_over:
+        assert harvested == []
+        return
     assert len(harvested) >= 2
     record, samples = harvested[0]
     assert len(samples) == len(record["keys"]) and all(set(sample) & set(MODALITIES) for sample in samples)
@@ -211,7 +228,7 @@ def test_untaken_batches_are_harvested_as_decoded_samples(parts) -> None:
 
 def test_close_stops_the_producer_frees_every_segment_and_refuses_takers(parts) -> None:
     context, _ = parts
-    stream = start(context)
+    stream = start(parts)
     attach(stream, 1)
     take(stream, 1)
     stream.close()
@@ -224,10 +241,10 @@ def test_close_stops_the_producer_frees_every_segment_and_refuses_takers(parts) 
 
 
 def test_an_idle_sweep_never_closes_a_stream_between_its_opening_and_its_first_client(parts) -> None:
-    context, _ = parts
-    table = StreamTable(context, BatchLedger(context.index), Resizes(), max_clients=8, max_dealt=1 << 20)
+    context, seen = parts
+    table = StreamTable(context, BatchLedger(seen.index), Resizes(), max_clients=8, max_dealt=1 << 20)
     swept = threading.Event()
-    start_at = FeedPosition.start(context.shared.plan, world_size=1, grad_accum=1)
+    start_at = FeedPosition.start(seen.plan, world_size=1, grad_accum=1)
 
     def attach(stream: Stream) -> None:  # a sweep of idle streams (`stream_idle_s: 0`) at the worst moment
         threading.Thread(target=lambda: (table.close_idle(0), swept.set())).start()
