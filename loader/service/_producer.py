@@ -190,7 +190,12 @@ class ChildProducer:
 
     def produce(self, seq: int, segment_for: SegmentFor, grow: Grow) -> Produced:
         """The next batch from the producer process, collated into the stream's next free segment."""
-        segment = segment_for()
+        current = [segment_for()]  # the segment the batch goes to: a grown one after an overflow, also on a retry
+
+        def grown(old: Segment, needed: int) -> Segment:
+            current[0] = grow(old, needed)
+            return current[0]
+
         deaths = 0
         while True:
             try:
@@ -199,7 +204,7 @@ class ChildProducer:
                         raise RuntimeError("the stream is closing")
                     if self._conn is None:
                         self._start()
-                return self._exchange(seq, segment, grow)
+                return self._exchange(seq, current[0], grown)
             except ProducerGone:
                 if self._closing.is_set():
                     raise RuntimeError("the stream is closing") from None
@@ -305,8 +310,9 @@ class ChildProducer:
 
     def _lost(self) -> int | None:
         """Reap a dead producer process; its exit code."""
-        process, conn = self._process, self._conn
-        self._process = self._conn = None
+        with self._lifecycle:
+            process, conn = self._process, self._conn
+            self._process = self._conn = None
         if conn is not None:
             conn.close()
         self._drop_metrics_pipe()

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 import pytest
 from feed_service import ServiceProcess, short_socket_dir, write_config
@@ -31,9 +32,14 @@ from omnifeed.loader import (
     read_delivery_logs,
     verify_coverage,
 )
+from omnifeed.loader.feed import FeedPosition, collate
+from omnifeed.loader.plan import Plan
 from omnifeed.loader.service import ServiceConfig
+from omnifeed.loader.service._arena import Segment, decode_arrays
+from omnifeed.loader.service._producer import ChildProducer, ProducerSpec
 from omnifeed.loader.service._producer_metrics import counters_of, merged_metrics
 from omnifeed.loader.service._protocol import ServiceError, request_metrics
+from omnifeed.loader.service._slots import SegmentSlots
 from omnifeed.trainer_adapter import FeedClient
 
 
@@ -226,3 +232,31 @@ def test_a_service_in_a_daemonic_process_decodes_in_threads_or_says_why_not(inde
     auto, processes = run.stdout.splitlines()
     assert auto == "False"  # auto: a daemon cannot start producer processes, so its streams use threads
     assert "cannot start producer processes from a daemonic process" in processes and "producers: threads" in processes
+
+
+def test_a_batch_larger_than_its_segment_is_collated_again_into_a_grown_one(index_dir: Path) -> None:
+    large = FeedConfig(plan=PlanConfig(seed=3, batch_size=4), decode={"image": {"resize": "fixed", "size": 640}})
+    plan = Plan.from_index(SampleIndex(index_dir), large.plan)
+    producer = ChildProducer(ProducerSpec(str(index_dir), large.model_dump_json(), (1, 0, 1)))
+    producer.start_at(FeedPosition.start(plan))
+    slots = SegmentSlots()
+
+    def grow(segment: Segment, needed: int) -> Segment:
+        grown = slots.grow(segment, needed)
+        segment.close()
+        return grown
+
+    try:
+        produced = [producer.produce(seq, lambda: slots.take(limit=4), grow) for seq in range(4)]
+        batches = [decode_arrays(p.frame, p.segment.base) for p in produced]
+    finally:
+        producer.close()
+    assert slots.size > 1 << 20  # four 640 x 640 images do not fit the first segment (1 MiB)
+    with Feed(index_dir, large) as feed:
+        for batch in batches:
+            taken = feed.take()
+            expected = collate(taken.samples, taken.keys, taken.info)
+            assert batch["__key__"] == expected["__key__"]
+            if "image" in expected:
+                assert np.array_equal(batch["image"]["pixels"], expected["image"]["pixels"])
+    slots.close()
