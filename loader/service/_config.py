@@ -58,7 +58,8 @@ class ServiceConfig(BaseModel):
         "own per stream, with the feed's decode workers (as that rank's in-process Feed would have; the RAM and NVMe "
         "tiers stay the node's); `threads`, in the service's process on decode workers every stream shares (one "
         "interpreter lock for the node: 0.72-0.79x two in-process feeds for two ranks); `auto`, processes unless a "
-        "modality decodes on Ray (executor: ray), whose actors are the service's. docs/service.md, 'Producers'.",
+        "modality decodes on Ray (executor: ray), whose actors are the service's, or the service runs in a daemonic "
+        "process. docs/service.md, 'Producers'.",
     )
     stream_idle_s: float = Field(
         default=30.0, ge=0, description="A stream without clients keeps its prefetched batches this long, then closes."
