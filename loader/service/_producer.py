@@ -224,7 +224,8 @@ class ChildProducer:
 
     def _start(self) -> None:
         context = get_context("forkserver")  # from a clean server, not from this threaded process
-        context.set_forkserver_preload(["omnifeed.loader"])
+        # the server imports what a producer runs once (the service package: ~0.1 s a producer start otherwise)
+        context.set_forkserver_preload(["omnifeed.loader", "omnifeed.loader.service._producer_process"])
         parent, child = context.Pipe(duplex=True)
         asks, answers = context.Pipe(duplex=True)
         gives, wants = context.Pipe(duplex=True)
