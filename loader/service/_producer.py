@@ -48,6 +48,7 @@ from ..decode import child_process_type
 from ..feed import Feed, FeedConfig, FeedPosition, SharedResources
 from ..index import SampleIndex
 from ._arena import Segment
+from ._producer_metrics import ProducerMetrics, counters_of, merged_metrics
 from ._producer_process import Grow, Key, ProducerGone, ProducerSpec, batch_frame, serve
 
 log = logging.getLogger("omnifeed.service")
@@ -150,12 +151,13 @@ class ChildProducer:
     def __init__(
         self,
         spec: ProducerSpec,
-        retire: Callable[[dict[str, Any]], None] | None = None,
+        counted: ProducerMetrics | None = None,
         handover: HandoverAt | None = None,
     ) -> None:
-        """``retire``: given the process's last metrics when it closes (so the service's counters never go back);
-        ``handover``: what the process's pipeline is given when it asks for a micro-batch decoded already."""
-        self._spec, self._retire, self._handover = spec, retire, handover
+        """``counted``: the service's producers' metrics, this one's among them until it closes (so the service's
+        counters never go back); ``handover``: what the process's pipeline is given when it asks for a micro-batch
+        decoded already."""
+        self._spec, self._counted, self._handover = spec, counted, handover
         self.hands_over = handover is not None
         self._position: FeedPosition | None = None
         self._process: Any = None
@@ -167,9 +169,12 @@ class ChildProducer:
         self._next_handle = 0
         self._closing = threading.Event()
         self._lifecycle = threading.Lock()  # a process is started, or the producer closed, never both at once
-        self._metrics: dict[str, Any] | None = None
+        self._metrics: dict[str, Any] | None = None  # the running process's, as it last answered
+        self._earlier: dict[str, Any] = {}  # the counts of the processes lost before it
         self.restarts = 0  # producer processes lost and replaced
         _live.add(self)
+        if counted is not None:
+            counted.add(self)
 
     def start_at(self, position: FeedPosition) -> ChildProducer:
         """Begin at ``position`` (the process starts with the first batch asked for)."""
@@ -317,6 +322,10 @@ class ChildProducer:
         if conn is not None:
             conn.close()
         self._drop_metrics_pipe()
+        with self._metrics_lock:  # what the lost process counted stays counted: a restart sets no counter back
+            if self._metrics is not None:
+                self._earlier = merged_metrics([self._earlier, counters_of(self._metrics)])
+            self._metrics = None
         if process is None:
             return None
         process.join(_JOIN_S)
@@ -338,24 +347,24 @@ class ChildProducer:
 
     def metrics(self) -> dict[str, Any] | None:
         """Its feed's metrics now, asked on the metrics pipe (the last ones it gave when it does not answer within
-        ``_METRICS_WAIT_S``, or is gone; None before the first)."""
+        ``_METRICS_WAIT_S``, or is gone; None before the first), with the counts of the processes it lost summed in."""
         with self._metrics_lock:
             conn = self._metrics_conn
-            if conn is None:
+            if conn is not None:
+                try:
+                    conn.send(None)
+                    if not conn.poll(_METRICS_WAIT_S):
+                        raise TimeoutError()
+                    snapshot = conn.recv()
+                    if snapshot is not None:
+                        self._metrics = snapshot
+                except (EOFError, OSError):  # a late answer would be taken for the next one's: the pipe goes
+                    if self._metrics_conn is conn:
+                        self._metrics_conn = None
+                        conn.close()
+            if not self._earlier:
                 return self._metrics
-            try:
-                conn.send(None)
-                if not conn.poll(_METRICS_WAIT_S):
-                    raise TimeoutError()
-                snapshot = conn.recv()
-            except (EOFError, OSError):  # a late answer would be taken for the next one's: the pipe goes
-                if self._metrics_conn is conn:
-                    self._metrics_conn = None
-                    conn.close()
-                return self._metrics
-            if snapshot is not None:
-                self._metrics = snapshot
-            return self._metrics
+            return merged_metrics([self._earlier, *([self._metrics] if self._metrics is not None else [])])
 
     def _drop_metrics_pipe(self) -> None:
         """Close the metrics pipe (a metrics request waiting on it sees its end first); end the hand-over pipe."""
@@ -378,9 +387,8 @@ class ChildProducer:
             self._closing.set()
             conn, process = self._conn, self._process
         _live.discard(self)
-        last = self.metrics()
-        if last is not None and self._retire is not None:
-            self._retire(last)
+        if self._counted is not None:
+            self._counted.retire(self, self.metrics())
         self._drop_metrics_pipe()
         if conn is None or process is None:
             return

@@ -150,11 +150,11 @@ class _HandoverAsked:
             self._left = _ASKED
 
     def __call__(self, micro_batch: MicroBatch) -> list[dict[str, Any]] | None:
-        positions = np.asarray(micro_batch.positions, dtype=np.int64).tolist()
         with self._lock:
             if self._left <= 0:
                 return None
             self._left -= 1
+            positions = np.asarray(micro_batch.positions, dtype=np.int64).tolist()
             try:
                 self._conn.send((micro_batch.epoch, micro_batch.index, positions))
                 held: list[dict[str, Any]] | None = self._conn.recv()

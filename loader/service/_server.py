@@ -56,7 +56,7 @@ from ._handshake import Handshake
 from ._ledger import BatchLedger
 from ._listener import Listener
 from ._producer import ChildProducer, FeedProducer, Producer, ProducerSpec
-from ._producer_metrics import counters_of, merged_metrics
+from ._producer_metrics import ProducerMetrics
 from ._protocol import PROTOCOL, RequestError, send
 from ._stream import Stream, StreamContext
 from ._streams import Key, Resizes, StreamTable
@@ -85,6 +85,7 @@ class FeedService:
         assert engine.pools is not None
         self.pools = engine.pools
         self.ledger = BatchLedger(self.index)
+        self._producer_metrics = ProducerMetrics()  # of the producer processes, live and closed (producers: processes)
         self._resizes = Resizes()
         self.dealt = DealtSteps(self.plan)  # each step dealt once for every stream
         shared = engine.shared(self.plan, self.ledger.take, self.dealt)
@@ -100,7 +101,6 @@ class FeedService:
             context, self.ledger, self._resizes, config.max_clients, config.max_micro_batches_dealt
         )
         self._lock = threading.Lock()
-        self._retired_counts: dict[str, Any] = {}  # of the producer processes closed (producers: processes)
         self._connections: dict[int, Connection] = {}
         self._next_id = 1
         self.instance = uuid.uuid4().hex  # clients tell services apart by it (batch numbers are per instance)
@@ -120,14 +120,10 @@ class FeedService:
         where = None if config.index is None else str(Path(config.index).resolve())
         feed_json = config.feed.model_dump_json()
         ledger = self.ledger
-        return lambda key, start: ChildProducer(
-            ProducerSpec(where, feed_json, key), self._retired, ledger.take_at
-        ).start_at(start)
-
-    def _retired(self, snapshot: dict[str, Any]) -> None:
-        """A producer process closed: what it counted stays in the service's metrics."""
-        with self._lock:
-            self._retired_counts = merged_metrics([self._retired_counts, counters_of(snapshot)])
+        counted = self._producer_metrics
+        return lambda key, start: ChildProducer(ProducerSpec(where, feed_json, key), counted, ledger.take_at).start_at(
+            start
+        )
 
     @property
     def address(self) -> str:
@@ -357,12 +353,7 @@ class FeedService:
 
     def _engine_metrics(self) -> dict[str, Any]:
         """The decode engine's part of the metrics: the service's, with its streams' producer processes' summed in."""
-        snapshot = self.engine.snapshot(self.pools.buffers())
-        children = [m for s in self.streams.streams() if (m := s.producer.metrics()) is not None]
-        with self._lock:
-            retired = self._retired_counts
-        parts = [snapshot, *children, *([retired] if retired else [])]
-        return merged_metrics(parts) if len(parts) > 1 else snapshot
+        return self._producer_metrics.merged_with(self.engine.snapshot(self.pools.buffers()))
 
 
 def _producer_processes(config: ServiceConfig) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 from ..feed import FeedPosition, uncollate
 from ._arena import Segment, decode_arrays
 from ._producer import Producer
+from ._producer_process import Key
 from ._protocol import RequestError
 from ._slots import SegmentSlots
 
@@ -37,7 +38,7 @@ class StreamContext:
     of a dropped batch clients still hold (called holding the stream's lock: it must not call back into the stream).
     """
 
-    producer: Callable[[tuple[int, int, int], FeedPosition], Producer]
+    producer: Callable[[Key, FeedPosition], Producer]
     prefetch_batches: int  # collated batches kept ready ahead of the clients
     next_seq: Callable[[], int]
     record_resize: Callable[[float], None]
@@ -91,7 +92,7 @@ class Stream:
     call back into a stream (lock order: a stream's, then the ledger's, resizes' or attempt log's).
     """
 
-    def __init__(self, context: StreamContext, key: tuple[int, int, int], group: int, start: FeedPosition) -> None:
+    def __init__(self, context: StreamContext, key: Key, group: int, start: FeedPosition) -> None:
         self.context, self.key, self.group = context, key, group
         self.producer = context.producer(key, start)
         self.resize_started: float | None = None  # set when this stream serves a new topology

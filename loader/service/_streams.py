@@ -19,10 +19,9 @@ from typing import Any
 
 from ..feed import FeedPosition
 from ._ledger import BatchLedger
+from ._producer_process import Key
 from ._protocol import RequestError
 from ._stream import Stream, StreamContext
-
-Key = tuple[int, int, int]  # (data-parallel size, data-parallel rank, accumulation)
 
 
 class Resizes:

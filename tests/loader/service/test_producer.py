@@ -13,8 +13,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -87,13 +87,17 @@ def test_a_killed_producer_process_costs_a_wait_not_a_sample(index_dir: Path, tm
         with FeedClient(str(service.socket), rank=0, world_size=1) as client:
             batches = iter(client)
             keys = [next(batches)["__key__"] for _ in range(3)]
-            (pid,) = request_metrics(str(service.socket))["service"]["producer_pids"]
+            before = request_metrics(str(service.socket))
+            (pid,) = before["service"]["producer_pids"]
             os.kill(pid, signal.SIGKILL)
+            keys.append(next(batches)["__key__"])  # from the process that replaced it
+            after_restart = request_metrics(str(service.socket))
             keys += [batch["__key__"] for batch in batches]
         snapshot = request_metrics(str(service.socket))
     finally:
         service.stop()
     assert keys == planned_keys(index_dir, 1, 0)
+    assert after_restart["samples"] >= before["samples"]  # what the killed process counted stays counted
     report = verify_coverage(SampleIndex(index_dir), 0, read_delivery_logs([tmp_path / "audit.jsonl"]))
     assert report.ok, report.to_json()
     assert snapshot["service"]["producer_restarts"] == 1 and snapshot["service"]["producer_pids"] != [pid]
@@ -102,20 +106,31 @@ def test_a_killed_producer_process_costs_a_wait_not_a_sample(index_dir: Path, tm
 
 def test_what_a_closed_producer_counted_stays_in_the_metrics(index_dir: Path, tmp_path: Path) -> None:
     service = start_service(index_dir, tmp_path, stream_idle_s=0)  # a stream closes once its client leaves
+    scraped: list[dict[str, Any]] = []
+    closed = threading.Event()
+
+    def scrape() -> None:  # as Prometheus would, also while the stream closes
+        while not closed.is_set():
+            snapshot = request_metrics(str(service.socket))
+            scraped.append(snapshot)
+            if snapshot["service"]["streams"] == 0 and snapshot["service"]["producer_pids"] == []:
+                closed.set()
+
     try:
         with FeedClient(str(service.socket), rank=0, world_size=1) as client:
             batches = iter(client)
             taken = sum(len(next(batches)["__key__"]) for _ in range(3))
-        for _ in range(300):
-            snapshot = request_metrics(str(service.socket))
-            if snapshot["service"]["streams"] == 0:
-                break
-            time.sleep(0.1)
+            scraper = threading.Thread(target=scrape)
+            scraper.start()
+        closed.wait(timeout=60)
+        closed.set()
+        scraper.join()
     finally:
         service.stop()
-    assert snapshot["service"]["streams"] == 0 and snapshot["service"]["producer_pids"] == []
-    assert snapshot["samples"] >= taken and snapshot["modalities"]["image"]["decoded"] > 0  # counters never go back
-    assert snapshot["modalities"]["image"].get("buffer_samples", 0) == 0  # what it held went with it
+    assert scraped[-1]["service"]["streams"] == 0 and scraped[-1]["service"]["producer_pids"] == []
+    samples = [snapshot["samples"] for snapshot in scraped]
+    assert samples == sorted(samples) and samples[-1] >= taken  # counters never go back, also mid-close
+    assert scraped[-1]["modalities"]["image"]["decoded"] > 0
 
 
 def test_a_broken_dataset_stops_the_stream_with_the_feeds_error_not_a_producer_death(
