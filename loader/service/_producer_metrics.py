@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 from typing import Any, Protocol
 
 
@@ -26,7 +27,7 @@ class ProducerMetrics:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._live: set[CountingProducer] = set()
+        self._live: weakref.WeakSet[CountingProducer] = weakref.WeakSet()  # one never closed is not kept alive
         self._closed: dict[str, Any] = {}
 
     def add(self, producer: CountingProducer) -> None:
