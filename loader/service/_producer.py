@@ -74,7 +74,6 @@ class Produced:
 class Producer(Protocol):
     """What a stream asks of whoever makes its batches."""
 
-    hands_over: bool  # after a resize, this stream's untaken batches go to the new streams (else decoded again)
     restarts: int  # producer processes lost and replaced
 
     @property
@@ -101,7 +100,6 @@ class Producer(Protocol):
 class FeedProducer:
     """The stream's `Feed` in the service's process, on the engine (and decode workers) every stream shares."""
 
-    hands_over = True
     restarts = 0
     pid = None
 
@@ -158,7 +156,6 @@ class ChildProducer:
         counters never go back); ``handover``: what the process's pipeline is given when it asks for a micro-batch
         decoded already."""
         self._spec, self._counted, self._handover = spec, counted, handover
-        self.hands_over = handover is not None
         self._position: FeedPosition | None = None
         self._process: Any = None
         self._conn: Connection | None = None  # the work pipe: the producer thread's alone

@@ -342,8 +342,6 @@ class Stream:
         """Batches no client took yet, as (delivery record, decoded samples): views of their segments, which are never
         reused. The views keep the pages alive after the stream closes."""
         harvested: list[tuple[dict[str, Any], list[dict[str, Any]]]] = []
-        if not self.producer.hands_over:  # decoded in another process: the new streams decode them again
-            return harvested
         with self._cond:
             for ready in self.ready:
                 base = ready.segment.base
