@@ -114,8 +114,7 @@ class SampleIndex:
         self.fingerprint: str = self.manifest["fingerprint"]
         self._rows = MappedRows(self.path, self.manifest["partitions"], ROW_SCHEMA, INDEX_FORMAT)
         self._chunk_starts = self._rows.chunk_starts
-        # per chunk: its sample columns, checked, as a batch and as arrays (`RecordBatch.columns` wraps anew each call)
-        self._sample_batches: dict[int, tuple[pa.RecordBatch, list[pa.Array]]] = {}
+        self._sample_rows: dict[int, _ChunkRows] = {}  # per chunk read so far: its sample columns, checked
         self.shards, self.shard_sizes = _read_shards(self.path / SHARDS, self.num_samples)
         self.by_shard: np.ndarray = _map_by_shard(self.path / BY_SHARD, self.num_samples)
         self._length_rows = LengthRows.open(self.path / LENGTH_ROWS, self.num_samples, LENGTH_COLUMNS)
@@ -186,55 +185,27 @@ class SampleIndex:
         if not 0 <= position < self.num_samples:
             raise IndexError(f"position {position} outside the index's {self.num_samples} samples")
         chunk = int(np.searchsorted(self._chunk_starts, position, side="right") - 1)
-        return self._to_sample(position, _row(self._samples_of(chunk)[1], position - int(self._chunk_starts[chunk])))
+        return self._chunk_rows(chunk).sample(self, position, position - int(self._chunk_starts[chunk]))
 
     def samples(self, positions: np.ndarray | list[int]) -> list[IndexedSample]:
-        """`sample` for many positions at once, grouped by the mapped chunk they fall in: a few rows of a chunk
-        are read as scalars, more with one take of whole rows (a take per column and chunk cost ~14x more
-        calls: the feed's planner held the GIL for it)."""
+        """`sample` for many positions at once, each row read from its chunk's buffers (`_ChunkRows`)."""
         positions = np.asarray(positions, dtype=np.int64)
         if positions.size and (positions.min() < 0 or positions.max() >= self.num_samples):
             raise IndexError(f"positions outside the index's {self.num_samples} samples")
-        chunk_of = np.searchsorted(self._chunk_starts, positions, side="right") - 1
-        order = np.argsort(chunk_of, kind="stable")
-        out: list[IndexedSample | None] = [None] * positions.size
-        for group in np.split(order, np.flatnonzero(np.diff(chunk_of[order])) + 1) if positions.size else []:
-            chunk = int(chunk_of[group[0]])
-            batch, columns = self._samples_of(chunk)
-            offsets = positions[group] - self._chunk_starts[chunk]
-            if group.size < _TAKE_FROM_ROWS:
-                rows = [_row(columns, offset) for offset in offsets.tolist()]
-            else:
-                rows = batch.take(pa.array(offsets)).to_pylist()
-            for i, row in zip(group.tolist(), rows):
-                out[i] = self._to_sample(int(positions[i]), row)
-        return out  # type: ignore[return-value]
+        chunk_of = (np.searchsorted(self._chunk_starts, positions, side="right") - 1).tolist()
+        starts = self._chunk_starts
+        return [
+            self._chunk_rows(chunk).sample(self, position, position - int(starts[chunk]))
+            for position, chunk in zip(positions.tolist(), chunk_of)
+        ]
 
-    def _samples_of(self, chunk: int) -> tuple[pa.RecordBatch, list[pa.Array]]:
-        """Chunk ``chunk``'s sample columns (the batch, and its arrays), each validated before its values are read."""
-        found = self._sample_batches.get(chunk)
+    def _chunk_rows(self, chunk: int) -> _ChunkRows:
+        """Chunk ``chunk``'s sample columns, each validated before its values are read."""
+        found = self._sample_rows.get(chunk)
         if found is None:
-            for name in _SAMPLE_COLUMNS:
-                self._chunk(name, chunk)
-            batch = self._rows.batch(chunk).select(list(_SAMPLE_COLUMNS))
-            found = self._sample_batches[chunk] = (batch, batch.columns)
+            columns = [self._chunk(name, chunk) for name in _SAMPLE_COLUMNS]
+            found = self._sample_rows[chunk] = _ChunkRows(columns)
         return found
-
-    def _to_sample(self, position: int, row: dict[str, Any]) -> IndexedSample:
-        if not 0 <= row["shard"] < len(self.shards):
-            raise IndexFormatError(
-                f"{self.path}: the row at position {position} names shard {row['shard']}, but "
-                f"{SHARDS} lists {len(self.shards)}; rebuild the index"
-            )
-        return IndexedSample(
-            position=position,
-            key=row["key"],
-            shard=self.shards[row["shard"]],
-            fields=tuple(FieldLocation(**f) for f in row["fields"]),
-            lengths=SampleLengths(**{name: row[name] for name in LENGTH_COLUMNS}),
-            row_group=row["row_group"],
-            row=row["row"],
-        )
 
     def positions_of(self, keys: list[str] | pa.Array) -> np.ndarray:
         """Positions of ``keys`` (``-1`` for a key the index does not hold); builds a hash table of all keys."""
@@ -244,14 +215,71 @@ class SampleIndex:
 
 _PARTITION_FILE = re.compile(r"part-\d{5,}\.parquet")
 _SAMPLE_COLUMNS = ("key", "shard", "fields", "row_group", "row", *LENGTH_COLUMNS)
-# From this many rows of one chunk, a take (~0.1 ms a call, whatever the rows) and `to_pylist` beat reading
-# scalars (~13 µs a row); under it, as when a micro-batch's few samples each fall in a different chunk, scalars win.
-_TAKE_FROM_ROWS = 12
+_FIELD_TEXT = ("name", "modality", "member")
+_FIELD_NUMBERS = ("offset", "size")
 
 
-def _row(columns: list[pa.Array], offset: int) -> dict[str, Any]:
-    """The sample columns' values at ``offset`` of a chunk, read as scalars."""
-    return {name: column[offset].as_py() for name, column in zip(_SAMPLE_COLUMNS, columns)}
+class _Utf8:
+    """The strings of an Arrow string column, read one at a time from its offsets and data buffers."""
+
+    def __init__(self, array: pa.Array) -> None:
+        _, bounds, data = array.buffers()  # the index's schema has `string` columns: int32 offsets
+        self.bounds = memoryview(np.frombuffer(bounds, np.int32)[array.offset : array.offset + len(array) + 1])
+        self.data = memoryview(data) if data is not None else memoryview(b"")
+
+    def __getitem__(self, i: int) -> str:
+        return str(self.data[self.bounds[i] : self.bounds[i + 1]], "utf-8")
+
+
+def _values(array: pa.Array) -> memoryview:
+    """A primitive column's values for reading one at a time: a memoryview's item is a Python int or float, ~10x
+    cheaper than a numpy scalar's ``item()``. From the buffer, not ``to_numpy``, which imports pandas (0.3 s)."""
+    values = np.frombuffer(array.buffers()[1], np.dtype(array.type.to_pandas_dtype()))
+    return memoryview(values[array.offset : array.offset + len(array)])
+
+
+class _ChunkRows:
+    """One chunk's sample columns, read a row at a time from views of their Arrow buffers.
+
+    Reading ``column[offset].as_py()`` made an Arrow scalar per column and row, and a dict per field: ~120 µs a
+    sample on a busy 2-core machine, ~6 % of a training rank's CPU in its scheduler (benchmarks/RESULTS.md). The
+    views are zero-copy, so a chunk costs nothing but its validation until a row is read.
+    """
+
+    def __init__(self, columns: list[pa.Array]) -> None:
+        named = dict(zip(_SAMPLE_COLUMNS, columns))
+        self.key = _Utf8(named["key"])
+        fields = named["fields"]
+        self.field_bounds = _values(fields.offsets)  # into ``fields.values``, whatever the list's offset
+        items = fields.values
+        self.field_text = [_Utf8(items.field(name)) for name in _FIELD_TEXT]
+        self.field_numbers = [_values(items.field(name)) for name in _FIELD_NUMBERS]
+        self.shard, self.row_group, self.row = (_values(named[name]) for name in ("shard", "row_group", "row"))
+        self.lengths = [(name, _values(named[name])) for name in LENGTH_COLUMNS]
+
+    def sample(self, index: SampleIndex, position: int, offset: int) -> IndexedSample:
+        """The sample at ``offset`` of this chunk (``position`` in the index)."""
+        shard = self.shard[offset]
+        if not 0 <= shard < len(index.shards):
+            raise IndexFormatError(
+                f"{index.path}: the row at position {position} names shard {shard}, but "
+                f"{SHARDS} lists {len(index.shards)}; rebuild the index"
+            )
+        names, modalities, members = self.field_text
+        starts, sizes = self.field_numbers
+        fields = tuple(
+            FieldLocation(names[i], modalities[i], members[i], starts[i], sizes[i])
+            for i in range(self.field_bounds[offset], self.field_bounds[offset + 1])
+        )
+        return IndexedSample(
+            position=position,
+            key=self.key[offset],
+            shard=index.shards[shard],
+            fields=fields,
+            lengths=SampleLengths(**{name: column[offset] for name, column in self.lengths}),
+            row_group=self.row_group[offset],
+            row=self.row[offset],
+        )
 
 
 def _is_count(value: Any) -> bool:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
 import shutil
+import tarfile
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omnifeed.loader import IndexConfig, IndexFormatError, SampleIndex, SourceError, build_index, read_field
+from omnifeed.loader.index import FieldLocation, IndexedSample, SampleLengths
 
 
 @pytest.fixture(scope="module")
@@ -256,10 +261,33 @@ def test_storage_errors_are_retried_then_reported(
             build_index([url], tmp_path / "index", IndexConfig(workers=1), progress=False)
 
 
+@pytest.fixture(scope="module")
+def arrow_rows(tar_index: SampleIndex) -> list[IndexedSample]:
+    """Every row of the index as Arrow's own ``to_pylist`` reads its Parquet partitions: the reference."""
+    index = tar_index
+    partitions = sorted(index.path.glob("part-*.parquet"))
+    rows = [row for path in partitions for row in pq.read_table(path).to_pylist()]
+    lengths = [f.name for f in dataclasses.fields(SampleLengths)]
+    return [
+        IndexedSample(
+            position=position,
+            key=row["key"],
+            shard=index.shards[row["shard"]],
+            fields=tuple(FieldLocation(**field) for field in row["fields"]),
+            lengths=SampleLengths(**{name: row[name] for name in lengths}),
+            row_group=row["row_group"],
+            row=row["row"],
+        )
+        for position, row in enumerate(rows)
+    ]
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_samples_of_any_positions_are_each_positions_sample(tar_index: SampleIndex, data: st.DataObject) -> None:
-    # a few rows of a chunk are read as scalars, many with one take: both must give `sample`'s answer, in order
+def test_samples_of_any_positions_are_the_rows_arrow_reads(
+    tar_index: SampleIndex, arrow_rows: list[IndexedSample], data: st.DataObject
+) -> None:
+    # rows are read from views of the chunks' buffers, not through Arrow scalars: the same values as Arrow's reading
     n = tar_index.num_samples
     positions = data.draw(
         st.one_of(
@@ -268,4 +296,23 @@ def test_samples_of_any_positions_are_each_positions_sample(tar_index: SampleInd
             st.integers(0, n - 1).flatmap(lambda start: st.just(list(range(start, min(n, start + 30))))),
         )
     )
-    assert tar_index.samples(positions) == [tar_index.sample(p) for p in positions]
+    assert len(arrow_rows) == n
+    assert tar_index.samples(positions) == [arrow_rows[p] for p in positions]
+    assert [tar_index.sample(p) for p in positions] == [arrow_rows[p] for p in positions]
+
+
+def test_keys_and_member_names_outside_ascii_read_back_as_written(tmp_path: Path) -> None:
+    names = ["café.txt", "café.json", "文字/页.txt", "a.txt", "ünï.cls"]
+    with tarfile.open(tmp_path / "names.tar", "w") as tar:
+        for name in names:
+            info = tarfile.TarInfo(name)
+            info.size = len(name.encode())
+            tar.addfile(info, io.BytesIO(name.encode()))
+    build_index([str(tmp_path / "names.tar")], tmp_path / "index", IndexConfig(workers=1), progress=False)
+    index = SampleIndex(tmp_path / "index")
+    samples = index.samples(list(range(index.num_samples)))
+    assert sorted(s.key for s in samples) == ["a", "café", "ünï", "文字/页"]
+    assert sorted(f.member for s in samples for f in s.fields) == sorted(names)
+    for sample in samples:
+        for field in sample.fields:
+            assert read_field(sample.shard, field) == field.member.encode()
