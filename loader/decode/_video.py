@@ -89,14 +89,14 @@ class _Decoder:
         codec: Any,
         wanted: set[int] | None,
         limit: int,
-        convert: Callable[[Any], np.ndarray],
+        convert: Callable[[Any], Any],
         key: str,
         max_pixels: int,
     ) -> None:
         self.codec, self.wanted, self.limit, self.convert, self.key = codec, wanted, limit, convert, key
         self.max_pixels = max_pixels
         self.decoded, self.drained, self.skipping = 0, False, False
-        self.frames: dict[int, np.ndarray] = {}
+        self.frames: dict[int, Any] = {}  # slot -> the frame converted to rgb24
 
     def feed(self, packet: Any, last: bool) -> None:
         if self.drained:
@@ -189,12 +189,12 @@ def _decode_clip(container: Any, size: int, config: VideoDecodeConfig, key: str)
     # Threads as the decoder's: PyAV 17 made a context start a thread per core by default, twice a clip.
     scaler, to_rgb = VideoReformatter(), VideoReformatter()
 
-    def convert(frame: Any) -> np.ndarray:
+    def convert(frame: Any) -> Any:
         if (frame.width, frame.height) != (out_w, out_h):
             frame = scaler.reformat(
                 frame, width=out_w, height=out_h, interpolation=interpolation, threads=config.threads
             )
-        return np.asarray(to_rgb.reformat(frame, format="rgb24", threads=config.threads).to_ndarray())
+        return to_rgb.reformat(frame, format="rgb24", threads=config.threads)  # a frame of its own buffer
 
     packets = _demux(container, stream, 2 * size + 2**20, key)
     timed = [p for p in packets if not p.is_discard]  # an edit list's discarded frames are never output
@@ -217,12 +217,19 @@ def _decode_clip(container: Any, size: int, config: VideoDecodeConfig, key: str)
         decoder.frames = dict(list(decoder.frames.items())[:limit])
     if not decoder.frames:
         raise DecodeError("no frame could be decoded", key, "video", "corrupt")
-    arrays = [decoder.frames[slot] for slot in sorted(decoder.frames)]
-    out = np.empty((len(arrays), 3, out_h, out_w), dtype=np.uint8)
-    for i, array in enumerate(arrays):
-        out[i] = array.transpose(2, 0, 1)
-    logger.debug("video %s: %d of %d packets' frames decoded, %d kept", key, decoder.decoded, len(packets), len(arrays))
+    frames = [decoder.frames[slot] for slot in sorted(decoder.frames)]
+    out = np.empty((len(frames), 3, out_h, out_w), dtype=np.uint8)
+    for i, frame in enumerate(frames):
+        out[i] = _rgb_rows(frame, out_w, out_h).transpose(2, 0, 1)  # one copy: no to_ndarray() in between
+    logger.debug("video %s: %d of %d packets' frames decoded, %d kept", key, decoder.decoded, len(packets), len(frames))
     return out
+
+
+def _rgb_rows(frame: Any, width: int, height: int) -> np.ndarray:
+    """An rgb24 frame's pixels as a uint8 [H, W, 3] view of its plane (rows are ``line_size`` bytes apart)."""
+    plane = frame.planes[0]
+    rows = np.frombuffer(plane, np.uint8)[: height * plane.line_size].reshape(height, plane.line_size)
+    return rows[:, : 3 * width].reshape(height, width, 3)
 
 
 def decode_video(data: bytes, config: VideoDecodeConfig, key: str = "?") -> np.ndarray:
