@@ -224,7 +224,7 @@ class _Utf8:
 
     def __init__(self, array: pa.Array) -> None:
         _, bounds, data = array.buffers()  # the index's schema has `string` columns: int32 offsets
-        self.bounds = memoryview(np.frombuffer(bounds, np.int32)[array.offset : array.offset + len(array) + 1])
+        self.bounds = np.frombuffer(bounds, np.int32)[array.offset : array.offset + len(array) + 1].data
         self.data = memoryview(data) if data is not None else memoryview(b"")
 
     def __getitem__(self, i: int) -> str:
@@ -235,7 +235,7 @@ def _values(array: pa.Array) -> memoryview:
     """A primitive column's values for reading one at a time: a memoryview's item is a Python int or float, ~10x
     cheaper than a numpy scalar's ``item()``. From the buffer, not ``to_numpy``, which imports pandas (0.3 s)."""
     values = np.frombuffer(array.buffers()[1], np.dtype(array.type.to_pandas_dtype()))
-    return memoryview(values[array.offset : array.offset + len(array)])
+    return values[array.offset : array.offset + len(array)].data
 
 
 class _ChunkRows:
