@@ -223,9 +223,9 @@ class _Utf8:
     """The strings of an Arrow string column, read one at a time from its offsets and data buffers."""
 
     def __init__(self, array: pa.Array) -> None:
-        _, bounds, data = array.buffers()  # the index's schema has `string` columns: int32 offsets
-        self.bounds = np.frombuffer(bounds, np.int32)[array.offset : array.offset + len(array) + 1].data
-        self.data = memoryview(data) if data is not None else memoryview(b"")
+        _, bounds, data = (b"" if buffer is None else buffer for buffer in array.buffers())  # empty: maybe none
+        self.bounds = np.frombuffer(bounds, np.int32)[array.offset : array.offset + len(array) + 1].data  # `string`
+        self.data = memoryview(data)
 
     def __getitem__(self, i: int) -> str:
         return str(self.data[self.bounds[i] : self.bounds[i + 1]], "utf-8")
@@ -234,21 +234,22 @@ class _Utf8:
 def _values(array: pa.Array) -> memoryview:
     """A primitive column's values for reading one at a time: a memoryview's item is a Python int or float, ~10x
     cheaper than a numpy scalar's ``item()``. From the buffer, not ``to_numpy``, which imports pandas (0.3 s)."""
-    values = np.frombuffer(array.buffers()[1], np.dtype(array.type.to_pandas_dtype()))
+    buffer = array.buffers()[1]
+    values = np.frombuffer(b"" if buffer is None else buffer, np.dtype(array.type.to_pandas_dtype()))
     return values[array.offset : array.offset + len(array)].data
 
 
 class _ChunkRows:
     """One chunk's sample columns, read a row at a time from views of their Arrow buffers.
 
-    Reading ``column[offset].as_py()`` made an Arrow scalar per column and row, and a dict per field: ~120 µs a
-    sample on a busy 2-core machine, ~6 % of a training rank's CPU in its scheduler (benchmarks/RESULTS.md). The
-    views are zero-copy, so a chunk costs nothing but its validation until a row is read.
+    Reading ``column[offset].as_py()`` made an Arrow scalar per column and row, and a dict per field: ~100 µs a
+    sample against ~36 now, and 0.3 ms of a training rank's CPU a sample in its scheduler (benchmarks/RESULTS.md).
+    The views are zero-copy, so a chunk costs nothing but its validation until a row is read.
     """
 
     def __init__(self, columns: list[pa.Array]) -> None:
         named = dict(zip(_SAMPLE_COLUMNS, columns))
-        self.key = _Utf8(named["key"])
+        self.keys = _Utf8(named["key"])
         fields = named["fields"]
         self.field_bounds = _values(fields.offsets)  # into ``fields.values``, whatever the list's offset
         items = fields.values
@@ -273,7 +274,7 @@ class _ChunkRows:
         )
         return IndexedSample(
             position=position,
-            key=self.key[offset],
+            key=self.keys[offset],
             shard=index.shards[shard],
             fields=fields,
             lengths=SampleLengths(**{name: column[offset] for name, column in self.lengths}),
