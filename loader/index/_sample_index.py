@@ -185,7 +185,7 @@ class SampleIndex:
         if not 0 <= position < self.num_samples:
             raise IndexError(f"position {position} outside the index's {self.num_samples} samples")
         chunk = int(np.searchsorted(self._chunk_starts, position, side="right") - 1)
-        return self._chunk_rows(chunk).sample(self, position, position - int(self._chunk_starts[chunk]))
+        return self._chunk_rows(chunk).sample(position, position - int(self._chunk_starts[chunk]))
 
     def samples(self, positions: np.ndarray | list[int]) -> list[IndexedSample]:
         """`sample` for many positions at once, each row read from its chunk's buffers (`_ChunkRows`)."""
@@ -195,7 +195,7 @@ class SampleIndex:
         chunk_of = (np.searchsorted(self._chunk_starts, positions, side="right") - 1).tolist()
         starts = self._chunk_starts
         return [
-            self._chunk_rows(chunk).sample(self, position, position - int(starts[chunk]))
+            self._chunk_rows(chunk).sample(position, position - int(starts[chunk]))
             for position, chunk in zip(positions.tolist(), chunk_of)
         ]
 
@@ -204,7 +204,7 @@ class SampleIndex:
         found = self._sample_rows.get(chunk)
         if found is None:
             columns = [self._chunk(name, chunk) for name in _SAMPLE_COLUMNS]
-            found = self._sample_rows[chunk] = _ChunkRows(columns)
+            found = self._sample_rows[chunk] = _ChunkRows(columns, self.shards, self.path)
         return found
 
     def positions_of(self, keys: list[str] | pa.Array) -> np.ndarray:
@@ -247,7 +247,8 @@ class _ChunkRows:
     The views are zero-copy, so a chunk costs nothing but its validation until a row is read.
     """
 
-    def __init__(self, columns: list[pa.Array]) -> None:
+    def __init__(self, columns: list[pa.Array], shards: list[ShardSpec], index_path: Path) -> None:
+        self.shards, self.index_path = shards, index_path
         named = dict(zip(_SAMPLE_COLUMNS, columns))
         self.keys = _Utf8(named["key"])
         fields = named["fields"]
@@ -258,13 +259,13 @@ class _ChunkRows:
         self.shard, self.row_group, self.row = (_values(named[name]) for name in ("shard", "row_group", "row"))
         self.lengths = [(name, _values(named[name])) for name in LENGTH_COLUMNS]
 
-    def sample(self, index: SampleIndex, position: int, offset: int) -> IndexedSample:
+    def sample(self, position: int, offset: int) -> IndexedSample:
         """The sample at ``offset`` of this chunk (``position`` in the index)."""
         shard = self.shard[offset]
-        if not 0 <= shard < len(index.shards):
+        if not 0 <= shard < len(self.shards):
             raise IndexFormatError(
-                f"{index.path}: the row at position {position} names shard {shard}, but "
-                f"{SHARDS} lists {len(index.shards)}; rebuild the index"
+                f"{self.index_path}: the row at position {position} names shard {shard}, but "
+                f"{SHARDS} lists {len(self.shards)}; rebuild the index"
             )
         names, modalities, members = self.field_text
         starts, sizes = self.field_numbers
@@ -275,7 +276,7 @@ class _ChunkRows:
         return IndexedSample(
             position=position,
             key=self.keys[offset],
-            shard=index.shards[shard],
+            shard=self.shards[shard],
             fields=fields,
             lengths=SampleLengths(**{name: column[offset] for name, column in self.lengths}),
             row_group=self.row_group[offset],

@@ -178,6 +178,23 @@ def test_an_arrow_copy_with_a_null_key_is_an_error_naming_the_index_when_read(in
         index.keys(np.arange(len(index)))
 
 
+def test_a_row_naming_a_shard_the_index_does_not_list_is_an_error_naming_its_position(
+    index_dir: Path, work: Path
+) -> None:
+    copy = _fresh_copy(index_dir, work)
+    table = pa.ipc.open_file(pa.BufferReader((copy / "part-00000.arrow").read_bytes())).read_all()
+    shards = pa.array([99] + table["shard"].to_pylist()[1:], pa.int32())
+    with pa.OSFile(str(copy / "part-00000.arrow"), "wb") as sink, pa.ipc.new_file(sink, ROW_SCHEMA) as writer:
+        writer.write_table(table.set_column(table.schema.get_field_index("shard"), "shard", shards))
+    index = SampleIndex(copy)
+    expected = re.escape(str(copy)) + r": the row at position 0 names shard 99, but shards.parquet lists \d+"
+    with pytest.raises(IndexFormatError, match=expected + ".*rebuild the index"):
+        index.sample(0)
+    with pytest.raises(IndexFormatError, match=expected):
+        index.samples([1, 0])
+    assert index.sample(1).key == index.samples([1])[0].key  # the other rows still read
+
+
 def _replace_manifest(path: Path, value: Any) -> None:
     (path / "manifest.json").write_text(json.dumps(value))
 
