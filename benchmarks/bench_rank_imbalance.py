@@ -28,6 +28,7 @@ are the part lockstep alone explains. Prints a table and writes ``--out`` (JSON)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -95,7 +96,7 @@ def measure(work: Path, samples: int, ranks: int, batch: int, depths: list[int])
         data = TrainingData(**json.loads(saved.read_text()))
     else:
         data = write_training_data(work / f"data-{samples}-{batch}", samples, batch)
-        saved.write_text(json.dumps(data.__dict__))
+        saved.write_text(json.dumps(dataclasses.asdict(data)))
     steps = rank_steps(data, ranks)
     seconds = decode_seconds(data.folder)
     costs = [[sum(seconds[key] for key in step) for step in rank] for rank in steps]
