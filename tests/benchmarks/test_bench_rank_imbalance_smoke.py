@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -24,3 +25,14 @@ def test_bench_rank_imbalance_models_every_depth_from_each_ranks_steps(tmp_path:
     assert walls == sorted(walls, reverse=True)  # reading further ahead never makes lockstep slower
     assert all(0 < row["cores_busy"] <= report["ranks"] + 1e-6 for row in report["depths"])
     assert walls[-1] >= report["shared_wall_s"] - 1e-6  # no depth beats one pool shared by the ranks
+
+
+def test_the_lockstep_model_lets_a_rank_run_only_depth_steps_ahead_of_the_last_step_taken() -> None:
+    spec = importlib.util.spec_from_file_location("bench_rank_imbalance", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    costs = [[1.0, 0.0], [0.0, 1.0]]  # each rank's slow step is the other's fast one
+    # depth 1: rank 1 starts its step 1 only once step 0 is taken (t = 1); depth 2: both run at once
+    assert [bench.lockstep(costs, depth)["wall_s"] for depth in (1, 2)] == [2.0, 1.0]
+    assert bench.lockstep(costs, 2)["cores_busy"] == 2.0
