@@ -54,10 +54,8 @@ def run(
     for round_ in range(rounds):
         for (loader, per_rank, prefetch), point in order if round_ % 2 == 0 else order[::-1]:
             update = {} if prefetch is None else {"prefetch_steps": prefetch}
-            # run_job builds the feed config with the scenario's `feed_config`; this round's knobs replace it
-            training.feed_config = lambda budget, _threads, n=per_rank, u=update: feed_config(budget, n).model_copy(
-                update=u
-            )
+            # run_job gives the scenario's `feed_config` workers // ranks threads (here per_rank); prefetch on top
+            training.feed_config = lambda budget, threads, u=update: feed_config(budget, threads).model_copy(update=u)
             job = dataclasses.replace(config, workers=per_rank * config.ranks)
             figures = training.job_figures(training.run_job(job, data, loader, seconds_per_token[point]))
             figures.update(loader=loader, per_rank=per_rank, prefetch_steps=prefetch, point=point, round=round_)

@@ -24,7 +24,6 @@ def test_bench_rank_imbalance_models_every_depth_from_each_ranks_steps(tmp_path:
     walls = [row["wall_s"] for row in report["depths"]]
     assert walls == sorted(walls, reverse=True)  # reading further ahead never makes lockstep slower
     assert all(0 < row["cores_busy"] <= report["ranks"] + 1e-6 for row in report["depths"])
-    assert walls[-1] >= report["shared_wall_s"] - 1e-6  # no depth beats one pool shared by the ranks
 
 
 def test_the_lockstep_model_lets_a_rank_run_only_depth_steps_ahead_of_the_last_step_taken() -> None:
