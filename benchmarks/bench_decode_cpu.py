@@ -15,7 +15,7 @@ to 224×224, bilinear), clip frames as uint8 [8, 3, 224, 224] (resize 'fixed').
   array; a clip is decoded frame by frame with PyAV (every frame up to the last one taken),
   the 8 taken frames converted to RGB at full size, then resized with Pillow.
 - ``omnifeed``: `decode_image` / `decode_video` with the defaults (JPEG DCT-domain scaling on).
-- ``omnifeed_exact``: `decode_image` with ``draft=False`` (pixel-exact with ``dataloader``;
+- ``omnifeed_exact``: `decode_image` with ``draft=False, scaler="pillow"`` (pixel-exact with ``dataloader``;
   asserted on every photo).
 - ``omnifeed_epoch2``: what a field costs the feed from the second epoch when the node's RAM
   tier had room (``cache.decoded_when_room``): the decoded entry read from a real RAM tier
@@ -56,7 +56,7 @@ from omnifeed.tools._demo_data import _picture, encode_video
 
 SIZE, FRAMES, PHOTOS_PER_CLIP = 224, 8, 16
 IMAGE = ImageDecodeConfig(resize="short_side", size=SIZE, crop="center")
-IMAGE_EXACT = ImageDecodeConfig(resize="short_side", size=SIZE, crop="center", draft=False)
+IMAGE_EXACT = ImageDecodeConfig(resize="short_side", size=SIZE, crop="center", draft=False, scaler="pillow")
 VIDEO = VideoDecodeConfig(num_frames=FRAMES, resize="fixed", size=SIZE)
 
 

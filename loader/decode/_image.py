@@ -25,7 +25,9 @@ from __future__ import annotations
 import io
 import logging
 
+import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 from PIL import Image
 
 from ._common import DecodeError, center_square, resized_size
@@ -39,6 +41,7 @@ _RESAMPLE = {
     "bicubic": Image.Resampling.BICUBIC,
     "lanczos": Image.Resampling.LANCZOS,
 }
+_SWS_INTERPOLATION = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
 
 
 def image_error(exc: Exception, key: str) -> DecodeError:
@@ -108,35 +111,77 @@ def _decode(data: bytes, config: ImageDecodeConfig, key: str) -> np.ndarray:
                 scale = drafted[1][2] / width
         image.load()
         pixels = _to_rgb_or_grey(image, key)
-        src_box = (box[0] * scale, box[1] * scale, box[2] * scale, box[3] * scale)
-        if pixels.size != out or src_box != (0.0, 0.0, float(pixels.width), float(pixels.height)):
-            pixels = pixels.resize(out, _RESAMPLE[config.resample], box=src_box)
-        if pixels.mode == "L":
-            pixels = pixels.convert("RGB")
-        return hwc_to_chw(_rgb_pixels(pixels))  # inside the `with`: copied before the image closes
+        if config.crop == "center":
+            src_box = (box[0] * scale, box[1] * scale, box[2] * scale, box[3] * scale)
+        else:  # the whole source: the whole decoded image, whatever size draft mode decoded it at
+            src_box = (0.0, 0.0, float(pixels.width), float(pixels.height))
+        if pixels.size == out and src_box == (0.0, 0.0, float(pixels.width), float(pixels.height)):
+            return _chw(pixels)
+        if config.scaler == "ffmpeg" and all(edge.is_integer() for edge in src_box):
+            return _scaled_chw(pixels, tuple(int(edge) for edge in src_box), out, config.resample)
+        return _chw(pixels.resize(out, _RESAMPLE[config.resample], box=src_box))
+
+
+def _chw(pixels: Image.Image) -> np.ndarray:
+    """uint8 [3, H, W] of an 'RGB' or 'L' image (copied: the image may close after)."""
+    if pixels.mode == "L":
+        pixels = pixels.convert("RGB")
+    return hwc_to_chw(_rgb_pixels(pixels))
+
+
+def _scaled_chw(pixels: Image.Image, box: tuple[int, ...], out: tuple[int, int], resample: str) -> np.ndarray:
+    """uint8 [3, H, W]: the ``box`` of an 'RGB' or 'L' image scaled to ``out`` by libswscale.
+
+    Scaled straight into planar G, B, R (FFmpeg's ``gbrp``): swscale's packed RGB output and
+    Pillow's resize each cost about twice its CPU, and the planes are already the output's layout.
+    """
+    left, top, right, bottom = box
+    if pixels.mode == "L":
+        rows, layout = np.asarray(pixels)[top:bottom, left:right], "gray"
+    else:
+        rgbx = _rgbx_pixels(pixels)
+        rows, layout = (rgbx, "rgba") if rgbx is not None else (np.asarray(pixels), "rgb24")
+        rows = rows[top:bottom, left:right]
+    frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rows), format=layout)
+    width, height = out
+    planar = VideoReformatter().reformat(
+        frame, width=width, height=height, format="gbrp", interpolation=_SWS_INTERPOLATION[resample], threads=1
+    )
+    chw = np.empty((3, height, width), dtype=np.uint8)
+    for channel, plane in zip((1, 2, 0), planar.planes):  # gbrp's planes are G, B, R
+        chw[channel] = np.frombuffer(plane, np.uint8).reshape(height, plane.line_size)[:, :width]
+    return chw
 
 
 def _rgb_pixels(image: Image.Image) -> np.ndarray:
-    """uint8 [H, W, 3] of an RGB image: a view of Pillow's own pixels (4 bytes each) where Pillow exports them.
+    """uint8 [H, W, 3] of an RGB image: a view of Pillow's own pixels where Pillow exports them (`_rgbx_pixels`)."""
+    rgbx = _rgbx_pixels(image)
+    return rgbx[:, :, :3] if rgbx is not None else np.asarray(image)
+
+
+def _rgbx_pixels(image: Image.Image) -> np.ndarray | None:
+    """uint8 [H, W, 4] view of an RGB image's own pixels (4 bytes each), or None where Pillow cannot export them.
 
     ``np.asarray`` goes through ``Image.tobytes``, a copy of every pixel made while holding the
     interpreter lock (a tenth of the service's decode threads' time under the lock, by py-spy); Pillow 11.2+
     exports the pixels through the Arrow C data interface instead, without a copy. The view lives
-    only until `hwc_to_chw` has copied it (the copy into the output is made either way).
+    only until it has been copied (into the output or a frame; a copy is made either way).
     """
-    if _EXPORTS_ARROW:
-        import pyarrow as pa
+    if not _EXPORTS_ARROW:
+        return None
+    import pyarrow as pa
 
-        try:
-            exported = pa.array(image)
-        except (ValueError, TypeError):  # rows in several blocks (a very large image), an older pyarrow: the copy
-            exported = None
-        if exported is not None and exported.offset == 0 and exported.type.list_size == 4:
-            rgbx = np.frombuffer(exported.buffers()[2], np.uint8)
-            height, width = image.height, image.width
-            if rgbx.size >= 4 * height * width:
-                return rgbx[: 4 * height * width].reshape(height, width, 4)[:, :, :3]
-    return np.asarray(image)
+    try:
+        exported = pa.array(image)
+    except (ValueError, TypeError):  # rows in several blocks (a very large image), an older pyarrow: the copy
+        return None
+    if exported.offset != 0 or exported.type.list_size != 4:
+        return None
+    rgbx = np.frombuffer(exported.buffers()[2], np.uint8)
+    height, width = image.height, image.width
+    if rgbx.size < 4 * height * width:
+        return None
+    return rgbx[: 4 * height * width].reshape(height, width, 4)
 
 
 def hwc_to_chw(array: np.ndarray) -> np.ndarray:

@@ -7,7 +7,7 @@ import itertools
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageFilter
 
 from omnifeed.bucketing import CostModel
 from omnifeed.bucketing._cost import _resized
@@ -110,10 +110,41 @@ def test_without_draft_the_pixels_are_pillows_plain_decode_and_resize(width: int
             want = rgb.resize((224, 224), Image.Resampling.BILINEAR, box=center_square(width, height))
         else:
             want = rgb.resize(resized_size(width, height, "short_side", 224, 1024), Image.Resampling.BILINEAR)
-    exact = decode_image(data, ImageDecodeConfig(crop=crop, draft=False))  # type: ignore[arg-type]
+    exact = decode_image(data, ImageDecodeConfig(crop=crop, draft=False, scaler="pillow"))  # type: ignore[arg-type]
     assert np.array_equal(exact, np.asarray(want).transpose(2, 0, 1))
     scaled = decode_image(data, ImageDecodeConfig(crop=crop))  # type: ignore[arg-type]
     assert scaled.shape == exact.shape and not np.array_equal(scaled, exact), "DCT-domain scaling by default"
+
+
+def _photo(width: int, height: int, mode: str) -> bytes:
+    """A lossless picture with the smooth gradients and soft edges of a photo (blurred noise over ramps)."""
+    rng = np.random.default_rng(width * 7919 + height)
+    y, x = np.mgrid[0:height, 0:width]
+    ramps = np.stack([x * 200 // width, y * 200 // height, (x + y) * 200 // (width + height)], axis=-1)
+    noise = Image.fromarray(rng.integers(0, 56, (height, width, 3), dtype=np.uint8)).filter(ImageFilter.GaussianBlur(2))
+    return _encode(Image.fromarray((ramps + np.asarray(noise)).astype(np.uint8)).convert(mode), "PNG")
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "crop"),
+    [(640, 480, "none"), (160, 213, "none"), (333, 500, "none"), (2400, 1900, "none"), (1600, 900, "center")],
+)
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_ffmpeg_scaler_gives_pillows_picture_within_a_level(width: int, height: int, crop: str, mode: str) -> None:
+    data = _photo(width, height, mode)  # 2400 x 1900: rows in several blocks, copied out of Pillow, not viewed
+    pillow = decode_image(data, ImageDecodeConfig(crop=crop, scaler="pillow"))  # type: ignore[arg-type]
+    ffmpeg = decode_image(data, ImageDecodeConfig(crop=crop, scaler="ffmpeg"))  # type: ignore[arg-type]
+    assert ffmpeg.shape == pillow.shape and ffmpeg.dtype == np.uint8 and ffmpeg.flags.c_contiguous
+    difference = np.abs(ffmpeg.astype(np.int16) - pillow.astype(np.int16))
+    assert difference.mean() < 0.5 and difference.max() <= 2
+    if mode == "L":
+        assert np.array_equal(ffmpeg[0], ffmpeg[1]) and np.array_equal(ffmpeg[0], ffmpeg[2])
+
+
+def test_a_centre_crop_between_pixels_is_resized_by_pillow() -> None:
+    data = _photo(701, 1000, "RGB")  # the centred square starts 149.5 rows down: swscale takes whole pixels only
+    ffmpeg = decode_image(data, ImageDecodeConfig(crop="center", scaler="ffmpeg"))
+    assert np.array_equal(ffmpeg, decode_image(data, ImageDecodeConfig(crop="center", scaler="pillow")))
 
 
 @pytest.mark.parametrize(
