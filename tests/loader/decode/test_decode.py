@@ -16,6 +16,7 @@ from pathlib import Path
 import av
 import numpy as np
 import pytest
+import simplejpeg
 from PIL import Image
 
 from omnifeed.loader._errors import OmnifeedError, add_context
@@ -193,6 +194,7 @@ def test_system_errors_are_never_wrapped(monkeypatch: pytest.MonkeyPatch) -> Non
             raise error()
 
         monkeypatch.setattr(Image, "open", boom)
+        monkeypatch.setattr(simplejpeg, "decode_jpeg", boom)
         monkeypatch.setattr(av, "open", boom)
         with pytest.raises(error):
             decode_image(_jpeg(), IMAGE)

@@ -7,12 +7,14 @@ import itertools
 
 import numpy as np
 import pytest
+import simplejpeg
 from PIL import Image, ImageFilter
 
 from omnifeed.bucketing import CostModel
 from omnifeed.bucketing._cost import _resized
-from omnifeed.loader.decode._common import center_square
+from omnifeed.loader.decode._common import DecodeError, center_square
 from omnifeed.loader.decode._config import ImageDecodeConfig
+from omnifeed.loader.decode._image import output_geometry
 from omnifeed.loader.decode._registry import decode_image, resized_size
 from omnifeed.tools._demo_data import encode_image
 
@@ -189,3 +191,47 @@ def test_multi_picture_jpeg_decodes_its_first_picture_with_draft() -> None:
     Image.new("RGB", (640, 480), "red").save(buf, format="MPO", save_all=True, append_images=[second])
     out = decode_image(buf.getvalue(), ImageDecodeConfig(formats=("JPEG",)))
     assert out.shape == (3, 224, 299) and out[0].min() > 240 and out[2].max() < 15
+
+
+@pytest.mark.parametrize(
+    ("width", "height", "crop"),
+    [
+        (640, 480, "none"),
+        (447, 600, "none"),
+        (2400, 1800, "none"),
+        (1001, 751, "none"),
+        (1280, 960, "center"),
+        (1001, 751, "center"),  # 1/2, 1/4: the decoded picture's last row and column are partial
+        (2017, 1999, "center"),
+        (333, 500, "center"),
+    ],
+)
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_a_jpeg_is_decoded_by_libjpeg_turbo_to_pillows_own_pixels_draft_included(
+    width: int, height: int, crop: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    decoded: list[np.ndarray] = []
+    decode_jpeg = simplejpeg.decode_jpeg
+
+    def recording(*args: object, **kwargs: object) -> np.ndarray:
+        decoded.append(decode_jpeg(*args, **kwargs))
+        return decoded[-1]
+
+    monkeypatch.setattr(simplejpeg, "decode_jpeg", recording)
+    rgb = np.asarray(Image.open(io.BytesIO(_photo(width, height, "RGB"))))
+    data = _encode(Image.fromarray(rgb).convert(mode), "JPEG")
+    config = ImageDecodeConfig(crop=crop)  # type: ignore[arg-type]
+    fast = decode_image(data, config)
+    with Image.open(io.BytesIO(data)) as image:  # Pillow's draft (1/8, 1/4 or 1/2) and decode
+        image.draft(None, output_geometry(width, height, config)[2])
+        image.load()
+        want = np.asarray(image)
+    assert len(decoded) == 1 and np.array_equal(decoded[0].reshape(want.shape), want)
+    pillow = decode_image(data, ImageDecodeConfig(crop=crop, scaler="pillow"))  # type: ignore[arg-type]
+    assert fast.shape == pillow.shape and np.abs(fast.astype(np.int16) - pillow).max() <= 2
+
+
+def test_a_jpeg_over_max_pixels_is_refused_from_its_header() -> None:
+    with pytest.raises(DecodeError) as caught:
+        decode_image(_smooth_jpeg(640, 480), ImageDecodeConfig(max_pixels=640 * 480 - 1), key="big")
+    assert (caught.value.reason, caught.value.key) == ("bomb", "big") and "max_pixels" in str(caught.value)
