@@ -17,6 +17,10 @@ to 224×224, bilinear), clip frames as uint8 [8, 3, 224, 224] (resize 'fixed').
 - ``omnifeed``: `decode_image` / `decode_video` with the defaults (JPEG DCT-domain scaling on).
 - ``omnifeed_exact``: `decode_image` with ``draft=False, scaler="pillow"`` (pixel-exact with ``dataloader``;
   asserted on every photo).
+- ``omnifeed_pillow``: the defaults but ``scaler="pillow"`` (Pillow's draft decode and resize: the image path
+  before JPEGs went through simplejpeg and the resize through libswscale).
+- ``mix_images``: the training scenario's pictures (the demo generator's JPEGs and PNGs of 160–640 px, as
+  many samples' worth as ``photos``), short side to 224 with the aspect kept, each side as above.
 - ``omnifeed_epoch2``: what a field costs the feed from the second epoch when the node's RAM
   tier had room (``cache.decoded_when_room``): the decoded entry read from a real RAM tier
   segment and parsed (`RamTier.get` + `decode_decoded`), no decoder run.
@@ -48,15 +52,18 @@ from PIL import Image
 
 from omnifeed.cache import CacheConfig, RamTier, RamTierConfig
 from omnifeed.loader import Feed, FeedConfig, IndexConfig, PlanConfig, SampleIndex, build_index
-from omnifeed.loader.decode._common import center_square
+from omnifeed.loader.decode._common import center_square, resized_size
 from omnifeed.loader.decode._config import DecodeConfig, ImageDecodeConfig, VideoDecodeConfig
 from omnifeed.loader.decode._registry import decode_image, decode_video
 from omnifeed.loader.feed._decoded_codec import decode_decoded, encode_decoded
-from omnifeed.tools._demo_data import _picture, encode_video
+from omnifeed.tools._demo_data import DemoDatasetSpec, _picture, demo_samples, encode_video
 
 SIZE, FRAMES, PHOTOS_PER_CLIP = 224, 8, 16
 IMAGE = ImageDecodeConfig(resize="short_side", size=SIZE, crop="center")
 IMAGE_EXACT = ImageDecodeConfig(resize="short_side", size=SIZE, crop="center", draft=False, scaler="pillow")
+IMAGE_PILLOW = ImageDecodeConfig(resize="short_side", size=SIZE, crop="center", scaler="pillow")
+MIX_IMAGE = ImageDecodeConfig(resize="short_side", size=SIZE)  # the training scenario's: aspect kept
+MIX_IMAGE_PILLOW = ImageDecodeConfig(resize="short_side", size=SIZE, scaler="pillow")
 VIDEO = VideoDecodeConfig(num_frames=FRAMES, resize="fixed", size=SIZE)
 
 
@@ -75,6 +82,21 @@ def make_photos(count: int, seed: int = 29) -> list[bytes]:
         Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8), "RGB").save(buf, format="JPEG")
         out.append(buf.getvalue())
     return out
+
+
+def make_mix_images(count: int) -> list[bytes]:
+    """The pictures of the training scenario's mix (the demo generator's: JPEG and PNG, 160–640 px a side)."""
+    spec = DemoDatasetSpec(num_samples=count, num_shards=1, image_px=(160, 640))
+    return [data for sample in demo_samples(spec) for name, data in sample.fields.items() if name in ("jpg", "png")]
+
+
+def dataloader_mix_image(data: bytes) -> np.ndarray:
+    """A torchvision-style decode of a mix picture: open, convert to RGB, short side to 224 (aspect kept), CHW."""
+    with Image.open(io.BytesIO(data)) as image:
+        rgb = image.convert("RGB")
+        size = resized_size(rgb.width, rgb.height, "short_side", SIZE, MIX_IMAGE.max_size)
+        out = np.asarray(rgb.resize(size, Image.Resampling.BILINEAR))
+    return np.ascontiguousarray(out.transpose(2, 0, 1))
 
 
 def make_clips(count: int) -> list[bytes]:
@@ -117,6 +139,7 @@ def _pass(decode: Callable[[bytes], Any], inputs: list[bytes]) -> float:
 def cpu_per_sample_report(photos: int, rounds: int) -> dict[str, Any]:
     """Milliseconds of CPU per sample, and the ratios to the DataLoader's, for photos, clips and the mix."""
     images, clips = make_photos(photos), make_clips(max(1, photos // PHOTOS_PER_CLIP))
+    mix_images = make_mix_images(photos)  # about 0.45 pictures a sample
     for data in images:  # same output: the exact path equals the DataLoader's pixel for pixel
         assert np.array_equal(decode_image(data, IMAGE_EXACT), dataloader_image(data))
     sides: dict[str, dict[str, Callable[[bytes], Any]]] = {
@@ -124,10 +147,16 @@ def cpu_per_sample_report(photos: int, rounds: int) -> dict[str, Any]:
             "dataloader": dataloader_image,
             "omnifeed": lambda d: decode_image(d, IMAGE),
             "omnifeed_exact": lambda d: decode_image(d, IMAGE_EXACT),
+            "omnifeed_pillow": lambda d: decode_image(d, IMAGE_PILLOW),
         },
         "clips": {"dataloader": dataloader_video, "omnifeed": lambda d: decode_video(d, VIDEO)},
+        "mix_images": {
+            "dataloader": dataloader_mix_image,
+            "omnifeed": lambda d: decode_image(d, MIX_IMAGE),
+            "omnifeed_pillow": lambda d: decode_image(d, MIX_IMAGE_PILLOW),
+        },
     }
-    inputs = {"photos": images, "clips": clips}
+    inputs = {"photos": images, "clips": clips, "mix_images": mix_images}
     ram = RamTier(RamTierConfig(name=f"bench-decode-cpu-{os.getpid()}", capacity_bytes=512 * 2**20))
     try:
         for kind, decoders in sides.items():  # the entries epoch 1 left in the RAM tier
@@ -153,6 +182,9 @@ def cpu_per_sample_report(photos: int, rounds: int) -> dict[str, Any]:
     report["ratio_to_dataloader"] = {
         "photos": round(best["photos"]["omnifeed"] / best["photos"]["dataloader"], 3),
         "photos_exact": round(best["photos"]["omnifeed_exact"] / best["photos"]["dataloader"], 3),
+        "photos_pillow_scaler": round(best["photos"]["omnifeed_pillow"] / best["photos"]["dataloader"], 3),
+        "mix_images": round(best["mix_images"]["omnifeed"] / best["mix_images"]["dataloader"], 3),
+        "mix_images_pillow_scaler": round(best["mix_images"]["omnifeed_pillow"] / best["mix_images"]["dataloader"], 3),
         "clips": round(best["clips"]["omnifeed"] / best["clips"]["dataloader"], 3),
         "mix": round(mix["omnifeed"] / mix["dataloader"], 3),
         "mix_epoch2": round(mix["omnifeed_epoch2"] / mix["dataloader"], 3),
