@@ -153,16 +153,14 @@ def _decode_jpeg(data: bytes, config: ImageDecodeConfig, key: str) -> np.ndarray
     if config.draft and config.resize != "none":
         fits = min(width // whole[0], height // whole[1])
         denominator = next((s for s in (8, 4, 2) if fits >= s), 1)
+    scaled = (-(-height // denominator), -(-width // denominator))  # libjpeg's 1/s: partial blocks round up
     try:
         rows = simplejpeg.decode_jpeg(
-            data,
-            "GRAY" if colorspace == "Gray" else "RGB",
-            min_height=-(-height // denominator),
-            min_width=-(-width // denominator),
+            data, "GRAY" if colorspace == "Gray" else "RGB", min_height=scaled[0], min_width=scaled[1]
         )
     except ValueError:  # corrupt, truncated, or a warning strict mode refuses
         return None
-    if rows.shape[:2] != (-(-height // denominator), -(-width // denominator)):
+    if rows.shape[:2] != scaled:
         return None  # not the scale asked for (a simplejpeg that chose otherwise): Pillow's path
     if colorspace == "Gray":
         rows = rows[:, :, 0]
@@ -199,7 +197,9 @@ def _output(
 def _chw(pixels: Image.Image | np.ndarray) -> np.ndarray:
     """uint8 [3, H, W] of an 'RGB' or 'L' picture (copied: the image may close after)."""
     if isinstance(pixels, np.ndarray):
-        return hwc_to_chw(pixels if pixels.ndim == 3 else pixels[:, :, None].repeat(3, axis=2))
+        if pixels.ndim == 2:  # grey rows: the same plane three times
+            return np.ascontiguousarray(np.broadcast_to(pixels, (3, *pixels.shape)))
+        return hwc_to_chw(pixels)
     if pixels.mode == "L":
         pixels = pixels.convert("RGB")
     return hwc_to_chw(_rgb_pixels(pixels))
