@@ -109,3 +109,12 @@ def center_square(width: int, height: int) -> tuple[float, float, float, float]:
     m = min(width, height)
     left, top = (width - m) / 2, (height - m) / 2
     return left, top, left + m, top + m
+
+
+SWSCALE_INTERPOLATION = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
+"""The config's ``resample`` names as libswscale's filters (PyAV's ``Interpolation``), for images and frames."""
+
+
+def plane_rows(plane: Any, height: int) -> np.ndarray:
+    """uint8 [H, line_size] view of a PyAV frame plane's rows (each row padded to ``line_size`` bytes)."""
+    return np.frombuffer(memoryview(plane), np.uint8)[: height * plane.line_size].reshape(height, plane.line_size)

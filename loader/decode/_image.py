@@ -37,7 +37,7 @@ import simplejpeg
 from av.video.reformatter import VideoReformatter
 from PIL import Image
 
-from ._common import DecodeError, center_square, resized_size
+from ._common import SWSCALE_INTERPOLATION, DecodeError, center_square, plane_rows, resized_size
 from ._config import ImageDecodeConfig
 
 logger = logging.getLogger(__name__)
@@ -48,7 +48,6 @@ _RESAMPLE = {
     "bicubic": Image.Resampling.BICUBIC,
     "lanczos": Image.Resampling.LANCZOS,
 }
-_SWS_INTERPOLATION = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
 
 
 def image_error(exc: Exception, key: str) -> DecodeError:
@@ -224,7 +223,7 @@ def _scaled_chw(rows: np.ndarray, box: tuple[int, ...], out: tuple[int, int], re
     Pillow's resize each cost about twice its CPU, and the planes are already the output's layout.
     """
     left, top, right, bottom = box
-    region = np.ascontiguousarray(rows[top:bottom, left:right])
+    region = rows[top:bottom, left:right]  # a view: from_ndarray copies it row by row
     layout = _SWS_LAYOUT[1 if region.ndim == 2 else region.shape[2]]
     width, height = out
     planar = VideoReformatter().reformat(
@@ -232,12 +231,12 @@ def _scaled_chw(rows: np.ndarray, box: tuple[int, ...], out: tuple[int, int], re
         width=width,
         height=height,
         format="gbrp",
-        interpolation=_SWS_INTERPOLATION[resample],
+        interpolation=SWSCALE_INTERPOLATION[resample],
         threads=1,
     )
     chw = np.empty((3, height, width), dtype=np.uint8)
     for channel, plane in zip((1, 2, 0), planar.planes):  # gbrp's planes are G, B, R
-        chw[channel] = np.frombuffer(memoryview(plane), np.uint8).reshape(height, plane.line_size)[:, :width]
+        chw[channel] = plane_rows(plane, height)[:, :width]
     return chw
 
 

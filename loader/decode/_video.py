@@ -39,12 +39,10 @@ import numpy as np
 from av.video.reformatter import VideoReformatter
 
 from ._audio import av_error, no_stream_error, open_container, out_of_memory
-from ._common import DecodeError, resized_size
+from ._common import SWSCALE_INTERPOLATION, DecodeError, plane_rows, resized_size
 from ._config import VideoDecodeConfig
 
 logger = logging.getLogger(__name__)
-
-_INTERPOLATION = {"bilinear": "BILINEAR", "bicubic": "BICUBIC", "lanczos": "LANCZOS"}
 
 
 def _demux(container: Any, stream: Any, byte_budget: int, key: str) -> list[Any]:
@@ -181,7 +179,7 @@ def _decode_clip(container: Any, size: int, config: VideoDecodeConfig, key: str)
     if config.threads != 1:
         codec.thread_type = "AUTO"
     out_w, out_h = resized_size(width, height, config.resize, config.size, config.max_size)
-    interpolation = _INTERPOLATION[config.resample]
+    interpolation = SWSCALE_INTERPOLATION[config.resample]
 
     # One libswscale context per step, reused for every frame of the clip (a frame's own
     # reformat() builds a new one each time), and scaling in the decoder's pixel format before
@@ -227,9 +225,7 @@ def _decode_clip(container: Any, size: int, config: VideoDecodeConfig, key: str)
 
 def _rgb_rows(frame: Any, width: int, height: int) -> np.ndarray:
     """An rgb24 frame's pixels as a uint8 [H, W, 3] view of its plane (rows are ``line_size`` bytes apart)."""
-    plane = frame.planes[0]
-    rows = np.frombuffer(plane, np.uint8)[: height * plane.line_size].reshape(height, plane.line_size)
-    return rows[:, : 3 * width].reshape(height, width, 3)
+    return plane_rows(frame.planes[0], height)[:, : 3 * width].reshape(height, width, 3)
 
 
 def decode_video(data: bytes, config: VideoDecodeConfig, key: str = "?") -> np.ndarray:

@@ -235,3 +235,19 @@ def test_a_jpeg_over_max_pixels_is_refused_from_its_header() -> None:
     with pytest.raises(DecodeError) as caught:
         decode_image(_smooth_jpeg(640, 480), ImageDecodeConfig(max_pixels=640 * 480 - 1), key="big")
     assert (caught.value.reason, caught.value.key) == ("bomb", "big") and "max_pixels" in str(caught.value)
+
+
+def test_an_image_decodes_to_the_same_bytes_every_time() -> None:
+    """libswscale writes every output column, also past the last multiple of 16, whatever buffers it reuses (resume is
+    byte-identical only if decoding is; its planar output from YUV did not, see test_decode_av)."""
+    pictures = [_photo(w, h, mode) for w, h, mode in ((333, 500, "RGB"), (701, 413, "L"), (97, 150, "RGB"))]
+    pictures.append(_smooth_jpeg(1001, 751))
+    configs = [
+        ImageDecodeConfig(),
+        ImageDecodeConfig(crop="center", size=90),
+        ImageDecodeConfig(resize="fixed", size=57),
+    ]
+    first = [[decode_image(data, config) for config in configs] for data in pictures]
+    for _ in range(3):  # interleaved, so each call follows one of another size
+        for data, outputs in zip(pictures, first):
+            assert all(np.array_equal(decode_image(data, c), out) for c, out in zip(configs, outputs))
