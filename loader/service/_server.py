@@ -108,6 +108,7 @@ class FeedService:
         self._started = time.monotonic()
         self._listener: Listener | None = None
         self._threads: list[threading.Thread] = []
+        self._client_threads: list[threading.Thread] = []  # one a connection (those that ended are dropped)
         self._metrics_server: Any = None
         self.metrics_port: int | None = None
         self._switch_interval: float | None = None  # the process's before start() set the service's
@@ -168,8 +169,16 @@ class FeedService:
             except OSError:
                 pass
         self.streams.close()
-        for thread in self._threads:
+        for thread in self._threads:  # the accept thread first: no client thread starts after it
             thread.join(timeout=10)
+        with self._lock:
+            clients = [t for t in self._client_threads if t is not threading.current_thread()]
+        # Joined, not left as daemons: a thread still freeing a stream at the interpreter's exit aborts the process
+        # (Arrow's readers cannot take the interpreter lock back there). A client leaving may retire its stream
+        # meanwhile: the second close waits for that.
+        for thread in clients:
+            thread.join(timeout=10)
+        self.streams.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.engine.close()
@@ -200,9 +209,11 @@ class FeedService:
                 connection = Connection(self._next_id, sock)
                 self._next_id += 1
                 self._connections[connection.id] = connection
-            threading.Thread(
-                target=self._serve, args=(connection,), name=f"omnifeed-client-{connection.id}", daemon=True
-            ).start()
+                thread = threading.Thread(
+                    target=self._serve, args=(connection,), name=f"omnifeed-client-{connection.id}", daemon=True
+                )
+                thread.start()
+                self._client_threads = [t for t in self._client_threads if t.is_alive()] + [thread]
 
     def _housekeep(self) -> None:
         """Close streams that had no client for ``stream_idle_s``."""

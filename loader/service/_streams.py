@@ -62,6 +62,7 @@ class StreamTable:
         self._lock = threading.Lock()
         self._changing = threading.Lock()  # serializes topology changes: retire and hand over, then new streams
         self._streams: dict[Key, Stream] = {}
+        self._closing: list[threading.Thread] = []  # streams closing in the background (retired, evicted)
         self._topology: tuple[int, int] | None = None  # (data-parallel size, accumulation) of the newest stream
 
     def open(self, key: Key, group: int, start: FeedPosition, attach: Callable[[Stream], None]) -> Stream:
@@ -99,7 +100,7 @@ class StreamTable:
                     stream.resize_started = self._resizes.started
                 attach(stream)  # may refuse (`RequestError`): a new stream stays, idle, for `close_idle`
             for gone in evicted:
-                threading.Thread(target=gone.close, name="omnifeed-evict", daemon=True).start()
+                self._close_in_background(gone, "omnifeed-evict")
         return stream
 
     def leave(self, stream: Stream, client: int) -> None:
@@ -125,13 +126,19 @@ class StreamTable:
             stream.close()
 
     def close(self) -> None:
-        """Close every stream, all at once (each may wait for its producer process to finish a batch)."""
+        """Close every stream, all at once (each may wait for its producer process to finish a batch), and wait for
+        the streams closing in the background."""
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
         closing = [threading.Thread(target=s.close, name="omnifeed-close", daemon=True) for s in streams]
         for thread in closing:
             thread.start()
+        with self._lock:
+            closing += self._closing
+            self._closing = []
+        # A closing thread still running when the interpreter exits frees its stream's Arrow readers there, and
+        # Arrow aborts the process (std::terminate) when such a thread cannot take the interpreter lock back.
         for thread in closing:
             thread.join()
 
@@ -184,4 +191,12 @@ class StreamTable:
         """Hand the decoded samples of their untaken batches over to whichever new stream deals them; close them."""
         for stream in streams:
             self._ledger.hand_over(stream.harvest())
-            threading.Thread(target=stream.close, name="omnifeed-retire", daemon=True).start()
+            self._close_in_background(stream, "omnifeed-retire")
+
+    def _close_in_background(self, stream: Stream, name: str) -> None:
+        """Close ``stream`` in a thread of its own, which `close` waits for."""
+        thread = threading.Thread(target=stream.close, name=name, daemon=True)
+        with self._lock:  # started under the lock: `close` never joins a thread not yet started
+            self._closing = [t for t in self._closing if t.is_alive()]
+            thread.start()
+            self._closing.append(thread)
