@@ -173,9 +173,8 @@ class FeedService:
             thread.join(timeout=10)
         with self._lock:
             clients = [t for t in self._client_threads if t is not threading.current_thread()]
-        # Joined, not left as daemons: a thread still freeing a stream at the interpreter's exit aborts the process
-        # (Arrow's readers cannot take the interpreter lock back there). A client leaving may retire its stream
-        # meanwhile: the second close waits for that.
+        # Joined, not left as daemons (see StreamTable.close); a client leaving meanwhile may retire its stream, and a
+        # hello in flight may open one: the second close ends those.
         for thread in clients:
             thread.join(timeout=10)
         self.streams.close()

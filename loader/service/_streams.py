@@ -62,7 +62,7 @@ class StreamTable:
         self._lock = threading.Lock()
         self._changing = threading.Lock()  # serializes topology changes: retire and hand over, then new streams
         self._streams: dict[Key, Stream] = {}
-        self._closing: list[threading.Thread] = []  # streams closing in the background (retired, evicted)
+        self._closing: list[threading.Thread] = []  # streams closing in threads of their own (`close` waits)
         self._topology: tuple[int, int] | None = None  # (data-parallel size, accumulation) of the newest stream
 
     def open(self, key: Key, group: int, start: FeedPosition, attach: Callable[[Stream], None]) -> Stream:
@@ -131,12 +131,10 @@ class StreamTable:
         with self._lock:
             streams = list(self._streams.values())
             self._streams.clear()
-        closing = [threading.Thread(target=s.close, name="omnifeed-close", daemon=True) for s in streams]
-        for thread in closing:
-            thread.start()
+        for stream in streams:
+            self._close_in_background(stream, "omnifeed-close")
         with self._lock:
-            closing += self._closing
-            self._closing = []
+            closing, self._closing = self._closing, []
         # A closing thread still running when the interpreter exits frees its stream's Arrow readers there, and
         # Arrow aborts the process (std::terminate) when such a thread cannot take the interpreter lock back.
         for thread in closing:
