@@ -1,9 +1,9 @@
 """Decode every clip of one kind in a set of WebDataset shards on 1 and 2 threads: clips/s and CPU ms a clip.
 
-    python benchmarks/bench_decode_mix.py video|audio|image [--shards 'DIR/*.tar'] [--passes 3] [--tries 3]
+    python benchmarks/bench_decode_mix.py video|audio|image|png|jpg [--shards 'DIR/*.tar'] [--passes 3] [--tries 3]
 
 The clips are read into memory first (``.mp4`` for video, ``.flac`` for audio, ``.jpg`` and ``.png``
-for image) and decoded with the default `DecodeConfig` (`omnifeed.loader.decode`), ``--passes`` times
+for image, or either alone) and decoded with the default `DecodeConfig` (`omnifeed.loader.decode`), ``--passes`` times
 over per thread; each setting is run ``--tries`` times and the best kept (a shared machine only ever
 slows a run down). A digest of every output is printed first, so two trees (an A/B with each first
 on ``PYTHONPATH``) can be shown to decode the same pixels and samples. Default shards: the mix
@@ -26,7 +26,8 @@ import numpy as np
 
 from omnifeed.loader.decode import DecodeConfig, make_decoder
 
-EXTENSIONS = {"video": ("mp4",), "audio": ("flac",), "image": ("jpg", "png")}
+EXTENSIONS = {"video": ("mp4",), "audio": ("flac",), "image": ("jpg", "png"), "png": ("png",), "jpg": ("jpg",)}
+MODALITY = {"png": "image", "jpg": "image"}  # a kind that is one format of a modality
 
 
 def clips(pattern: str, kind: str) -> list[bytes]:
@@ -78,7 +79,7 @@ def main() -> None:
     if not data:
         names = " or ".join("." + extension for extension in EXTENSIONS[args.kind])
         raise SystemExit(f"no {names} in {args.shards}: run bench_service_production.py first")
-    decode = decoder(args.kind)
+    decode = decoder(MODALITY.get(args.kind, args.kind))
     digest = hashlib.sha1()
     for item in data:
         digest.update(decode(item).tobytes())
