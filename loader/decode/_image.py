@@ -264,11 +264,11 @@ def _scaled_chw(rows: np.ndarray, box: tuple[int, ...], out: tuple[int, int], re
     Pillow's resize each cost about twice its CPU, and the planes are already the output's layout.
     """
     left, top, right, bottom = box
-    region = rows[top:bottom, left:right]  # a view: from_ndarray copies it row by row
+    region = rows[top:bottom, left:right]  # a view, and so is the frame over it: its rows a row stride apart
     layout = _SWS_LAYOUT[1 if region.ndim == 2 else region.shape[2]]
     width, height = out
     planar = VideoReformatter().reformat(
-        av.VideoFrame.from_ndarray(region, format=layout),
+        av.VideoFrame.from_numpy_buffer(region, format=layout),
         width=width,
         height=height,
         format="gbrp",

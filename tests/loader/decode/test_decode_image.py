@@ -251,3 +251,17 @@ def test_an_image_decodes_to_the_same_bytes_every_time() -> None:
     for _ in range(3):  # interleaved, so each call follows one of another size
         for data, outputs in zip(pictures, first):
             assert all(np.array_equal(decode_image(data, c), out) for c, out in zip(configs, outputs))
+
+
+@pytest.mark.parametrize("channels", [1, 3, 4])
+def test_the_scaler_reads_a_view_of_the_rows_as_it_reads_their_copy(channels: int) -> None:
+    """swscale is handed the rows in place (a frame over the numpy view, its row stride the view's), not a copy."""
+    from omnifeed.loader.decode._image import _scaled_chw
+
+    rows = np.random.default_rng(channels).integers(0, 256, (301, 419, channels), dtype=np.uint8)
+    rows = rows[:, :, 0] if channels == 1 else rows
+    box = (37, 11, 37 + 250, 11 + 250)  # a centre-crop-like region: rows 419 pixels apart, not 250
+    region = rows[box[1] : box[3], box[0] : box[2]]
+    in_place = _scaled_chw(rows, box, (224, 224), "bilinear")
+    copied = _scaled_chw(np.ascontiguousarray(region), (0, 0, 250, 250), (224, 224), "bilinear")
+    assert np.array_equal(in_place, copied)
