@@ -113,13 +113,18 @@ def _to_rgb_or_grey(image: Image.Image, key: str) -> Image.Image:
         raise DecodeError(f"pixel mode {mode!r} has no RGB conversion ({exc})", key, "image", "unsupported") from exc
 
 
+def _pillow_guard() -> float:
+    """Pixels over which Pillow warns or refuses (``MAX_IMAGE_PIXELS``, read per call: users change it): a picture
+    over it takes Pillow's path, which does that, not a fast path."""
+    return Image.MAX_IMAGE_PIXELS or math.inf
+
+
 def _decode(data: bytes, config: ImageDecodeConfig, key: str) -> np.ndarray:
     if config.scaler == "ffmpeg":  # the array goes to libswscale as it is; Pillow's resize would copy it back in
         fast = _decode_jpeg(data, config, key)
         if fast is not None:
             return fast
-        pillow_guard = int(Image.MAX_IMAGE_PIXELS or config.max_pixels)  # over it Pillow warns or refuses
-        png = stored_png(data, min(config.max_pixels, pillow_guard)) if "PNG" in config.formats else None
+        png = stored_png(data, min(config.max_pixels, _pillow_guard())) if "PNG" in config.formats else None
         if png is not None:
             fast = _decode_png(png, config)
             if fast is not None:
@@ -153,8 +158,7 @@ def _decode_jpeg(data: bytes, config: ImageDecodeConfig, key: str) -> np.ndarray
         height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
     except ValueError:
         return None
-    pillow_guard = Image.MAX_IMAGE_PIXELS or math.inf  # over it Pillow warns or refuses: its path does that
-    if colorspace not in ("YCbCr", "Gray") or width < 1 or height < 1 or width * height > pillow_guard:
+    if colorspace not in ("YCbCr", "Gray") or width < 1 or height < 1 or width * height > _pillow_guard():
         return None
     _check_pixels(width, height, config.max_pixels, key)
     out, box, whole = output_geometry(width, height, config)
@@ -177,6 +181,9 @@ def _decode_jpeg(data: bytes, config: ImageDecodeConfig, key: str) -> np.ndarray
     return _output(rows, _source_box(size, box, 1 / denominator, config), out, config)
 
 
+_FFMPEG_PNG = {(8, 2): ("rgb24", 3), (8, 0): ("gray", 1)}  # (bit depth, colour type) -> FFmpeg's frame, channels
+
+
 def _decode_png(png: StoredPng, config: ImageDecodeConfig) -> np.ndarray | None:
     """An 8-bit RGB or grey PNG decoded by FFmpeg straight into a frame for libswscale; None: Pillow's path.
 
@@ -185,8 +192,8 @@ def _decode_png(png: StoredPng, config: ImageDecodeConfig) -> np.ndarray | None:
     rows' bytes are the file's own, so the pixels are Pillow's. Other colour types and depths
     (palette, alpha, 16-bit: Pillow's conversions define them) go to Pillow.
     """
-    layout = {(8, 2): "rgb24", (8, 0): "gray"}.get((png.bit_depth, png.colour_type))
-    if layout is None:
+    layout, channels = _FFMPEG_PNG.get((png.bit_depth, png.colour_type), ("", 0))
+    if not layout:
         return None
     codec = av.CodecContext.create("png", "r")
     codec.thread_count = 1
@@ -200,7 +207,6 @@ def _decode_png(png: StoredPng, config: ImageDecodeConfig) -> np.ndarray | None:
         or (frames[0].width, frames[0].height) != (png.width, png.height)
     ):
         return None
-    channels = 3 if layout == "rgb24" else 1
     rows = plane_rows(frames[0].planes[0], png.height)[:, : channels * png.width]
     if channels == 3:
         rows = rows.reshape(png.height, png.width, 3)

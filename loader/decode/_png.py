@@ -45,7 +45,7 @@ def _filtered_size(width: int, height: int, bits_per_pixel: int, interlaced: boo
     return total
 
 
-def stored_png(data: bytes, max_pixels: int) -> StoredPng | None:
+def stored_png(data: bytes, max_pixels: float) -> StoredPng | None:
     """``data`` with its image data inflated and stored uncompressed; None: decode the original bytes instead.
 
     None for anything but a well-formed still PNG of at most ``max_pixels`` whose image data
