@@ -87,6 +87,42 @@ class Segment:
             pass
 
 
+class HeldCount:
+    """How many micro-batches the `BatchLedger` holds for hand-over, in a page of shared memory (``memfd``) the producer
+    processes map read-only: a producer asks the service for a micro-batch only while it is not zero, so a job that
+    never resized pays no round trip a micro-batch for it."""
+
+    def __init__(self, fd: int | None = None) -> None:
+        """A new count (the ledger's), or, with ``fd``, the ledger's count mapped in a producer process (which keeps
+        the descriptor)."""
+        self.fd = os.memfd_create("omnifeed-handover-held", os.MFD_CLOEXEC) if fd is None else fd
+        try:
+            if fd is None:
+                os.ftruncate(self.fd, mmap.PAGESIZE)
+            self._map = mmap.mmap(self.fd, mmap.PAGESIZE, prot=mmap.PROT_READ | (mmap.PROT_WRITE if fd is None else 0))
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._value = np.frombuffer(self._map, dtype=np.int64, count=1)
+
+    def set(self, held: int) -> None:
+        """The ledger holds ``held`` micro-batches now (nothing once closed)."""
+        if self.fd >= 0:
+            self._value[0] = held
+
+    def get(self) -> int:
+        """The micro-batches the ledger holds."""
+        return int(self._value[0])
+
+    def close(self) -> None:
+        """Unmap and close the descriptor (idempotent)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            del self._value
+            self._map.close()
+
+
 class SegmentWriter:
     """Bump allocator over one segment for one batch; counts what the batch needs when it does not fit."""
 

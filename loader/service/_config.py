@@ -61,6 +61,15 @@ class ServiceConfig(BaseModel):
         "modality decodes on Ray (executor: ray), whose actors are the service's, or the service runs in a daemonic "
         "process. docs/service.md, 'Producers'.",
     )
+    producer_cpus: Literal["split", "any"] = Field(
+        default="split",
+        description="Where the producer processes run (producers: processes): `split`, each on a window of its own of "
+        "the CPUs the service may use (its affinity, so a cgroup or taskset limit holds), windows re-divided as "
+        "streams start and stop, adjacent ones sharing a CPU where the division is not exact; a producer's decode "
+        "threads then take turns at its interpreter lock on its own cores instead of being preempted by the other "
+        "producers' on every core (less CPU a sample: benchmarks/RESULTS.md, issue 29); `any`: wherever the OS puts "
+        "them.",
+    )
     stream_idle_s: float = Field(
         default=30.0, ge=0, description="A stream without clients keeps its prefetched batches this long, then closes."
     )

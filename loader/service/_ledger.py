@@ -21,6 +21,7 @@ import numpy as np
 
 from ..index import SampleIndex
 from ..plan import MicroBatch
+from ._arena import HeldCount
 from ._stream import Ready, Stream
 
 HANDOVER_LIMIT = 512  # micro-batches of retired streams kept for the new ones
@@ -35,6 +36,7 @@ class BatchLedger:
         self._handover: OrderedDict[tuple[int, int], tuple[list[str], list[dict[str, Any]]]] = OrderedDict()
         self._lent: list[tuple[Ready, Stream]] = []
         self.handed_over = 0  # micro-batches a new stream took decoded from a retired one
+        self.held = HeldCount()  # len(self._handover), for the producer processes (set under the lock)
 
     # -- hand-over --------------------------------------------------------------------------
     def hand_over(self, harvested: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> None:
@@ -45,6 +47,7 @@ class BatchLedger:
                 self._handover[(record["epoch"], record["micro_batch"])] = (record["keys"], samples)
             while len(self._handover) > self._limit:
                 self._handover.popitem(last=False)
+            self.held.set(len(self._handover))
 
     def take(self, micro_batch: MicroBatch) -> list[dict[str, Any]] | None:
         """The decoded samples of ``micro_batch`` if a retired stream had prefetched it (taken once; the keys must
@@ -58,6 +61,7 @@ class BatchLedger:
             if not self._handover:
                 return None
             entry = self._handover.pop((epoch, number), None)
+            self.held.set(len(self._handover))
         if entry is None or entry[0] != self._index.keys(positions):
             return None
         with self._lock:
@@ -68,6 +72,13 @@ class BatchLedger:
         """Forget what earlier topology changes handed over (a new change began)."""
         with self._lock:
             self._handover.clear()
+            self.held.set(0)
+
+    def close(self) -> None:
+        """Release the hand-over count's shared memory (the service stopped)."""
+        with self._lock:
+            self._handover.clear()
+            self.held.close()
 
     # -- lent batches ----------------------------------------------------------------------
     def lend(self, ready: Ready, stream: Stream) -> None:

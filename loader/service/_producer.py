@@ -18,8 +18,10 @@ and gets the batch's frame back (`Produced`). Two producers, as ``ServiceConfig.
              ◀──("batch", frame, state after, delivery record) | ("error", exception)
       stream ──("seek", state)──▶ a client asked for an earlier position
       metrics pipe: None ──▶ ◀── the feed's metrics (answered by a thread of the child's, even mid-batch)
-      hand-over pipe: ◀──(epoch, micro-batch, positions)── ──decoded samples or None──▶ (a thread of the service's
-                      answers from the `BatchLedger`: what retired streams had decoded before a resize)
+      hand-over pipe: ──(the descriptor of the ledger's `HeldCount`, once)──▶
+                      ◀──(epoch, micro-batch, positions)── ──decoded samples or None──▶ (a thread of the service's
+                      answers from the `BatchLedger`: what retired streams had decoded before a resize; asked only
+                      while the count says it holds some)
 
   The stream keeps all a client sees (cursors, segments, the audit): the child only reads,
   decodes and collates. A child that dies costs the batch it was making, which a new child
@@ -47,7 +49,8 @@ from typing import Any, Protocol
 from ..decode import child_process_type
 from ..feed import Feed, FeedConfig, FeedPosition, SharedResources
 from ..index import SampleIndex
-from ._arena import Segment
+from ._arena import HeldCount, Segment
+from ._placement import CpuWindows
 from ._producer_metrics import ProducerMetrics, counters_of, merged_metrics
 from ._producer_process import Grow, Key, ProducerGone, ProducerSpec, batch_frame, serve
 
@@ -151,11 +154,15 @@ class ChildProducer:
         spec: ProducerSpec,
         counted: ProducerMetrics | None = None,
         handover: HandoverAt | None = None,
+        held: HeldCount | None = None,
+        placement: CpuWindows | None = None,
     ) -> None:
         """``counted``: the service's producers' metrics, this one's among them until it closes (so the service's
         counters never go back); ``handover``: what the process's pipeline is given when it asks for a micro-batch
-        decoded already."""
-        self._spec, self._counted, self._handover = spec, counted, handover
+        decoded already, and ``held``: how many the service holds (the process asks only while there are some; None:
+        it always asks); ``placement``: the node's CPU windows its process gets one of (None: the OS places it)."""
+        self._spec, self._counted, self._handover, self._placement = spec, counted, handover, placement
+        self._held = held
         self._position: FeedPosition | None = None
         self._process: Any = None
         self._conn: Connection | None = None  # the work pipe: the producer thread's alone
@@ -234,10 +241,12 @@ class ChildProducer:
         try:
             process = child_process_type(context)(
                 target=serve,
-                args=(child, answers, wants, self._spec, self.position.to_dict()),
+                args=(child, answers, wants, self._spec, self.position.to_dict(), self._held is not None),
                 name=f"omnifeed-producer-{self._spec.key[1]}",
             )
             process.start()
+            if self._held is not None:  # the first thing on the hand-over pipe
+                send_handle(gives, self._held.fd, process.pid)
         except BaseException:
             for conn in (parent, asks, gives):
                 conn.close()
@@ -253,6 +262,8 @@ class ChildProducer:
         ).start()
         self._process, self._conn = process, parent
         self._handles = weakref.WeakKeyDictionary()  # a new process has mapped none of the segments
+        if self._placement is not None and process.pid is not None:
+            self._placement.add(self, process.pid)
 
     def _answer_handover(self, conn: Connection) -> None:
         """Answer the process's hand-over questions until its pipe ends (then close it)."""
@@ -318,6 +329,8 @@ class ChildProducer:
             self._process = self._conn = None
         if conn is not None:
             conn.close()
+        if self._placement is not None:
+            self._placement.remove(self)
         self._drop_metrics_pipe()
         with self._metrics_lock:  # what the lost process counted stays counted: a restart sets no counter back
             if self._metrics is not None:
@@ -384,6 +397,8 @@ class ChildProducer:
             self._closing.set()
             conn, process = self._conn, self._process
         _live.discard(self)
+        if self._placement is not None:
+            self._placement.remove(self)
         if self._counted is not None:
             self._counted.retire(self, self.metrics())
         self._drop_metrics_pipe()

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..feed import DecodeEngine, Feed, FeedConfig, FeedPosition, Taken, collate, open_feed_index
 from ..plan import MicroBatch, Plan
-from ._arena import Segment, SegmentWriter, encode_batch
+from ._arena import HeldCount, Segment, SegmentWriter, encode_batch
 from ._protocol import encode
 
 _ASKED = 256  # micro-batches after a start or seek for which the service is asked for a hand-over
@@ -68,20 +68,28 @@ def batch_frame(taken: Taken, after: FeedPosition, seq: int, segment: Segment, g
 
 
 def serve(
-    work: Connection, metrics: Connection, handover: Connection, spec: ProducerSpec, start: dict[str, Any]
+    work: Connection,
+    metrics: Connection,
+    handover: Connection,
+    spec: ProducerSpec,
+    start: dict[str, Any],
+    held: bool = False,
 ) -> None:
     """A producer process: build the stream's feed at ``start``, then answer the stream's requests until its work
-    pipe ends."""
+    pipe ends. ``held``: the hand-over pipe first brings the descriptor of the service's `HeldCount`."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the service decides when its producers stop
     mapped: dict[int, Segment] = {}
     feed: Feed | None = None
     engine: DecodeEngine | None = None
+    count: HeldCount | None = None
     try:
+        if held:
+            count = HeldCount(fd=recv_handle(handover))
         dp_world, dp_rank, accum = spec.key
         config = FeedConfig.model_validate_json(spec.config_json)
         index = open_feed_index(spec.index, config)
         engine = DecodeEngine.build(index, config, with_pools=False)  # each pipeline makes its pools, as a Feed's
-        asked = _HandoverAsked(handover)
+        asked = _HandoverAsked(handover, count)
         shared = engine.shared(Plan.from_index(index, engine.config.plan), asked)
         feed = Feed(index, config, world_size=dp_world, rank=dp_rank, grad_accum=accum, shared=shared)
         feed.seek(FeedPosition.from_dict(start))
@@ -118,6 +126,8 @@ def serve(
             engine.close()
         for segment in mapped.values():
             segment.close()
+        if count is not None:
+            count.close()
 
 
 def _produce(work: Connection, feed: Feed, mapped: dict[int, Segment], seq: int, segment: Segment) -> tuple[Any, ...]:
@@ -135,12 +145,13 @@ def _produce(work: Connection, feed: Feed, mapped: dict[int, Segment], seq: int,
 
 class _HandoverAsked:
     """The feed's hand-over (`Handover`): the service is asked, on the hand-over pipe, for a micro-batch's decoded
-    samples (None: decode it; also when the pipe is gone), for the first ``_ASKED`` micro-batches after the feed's
-    start or a seek: what retired streams had prefetched lies right after where their clients left off, and a
-    question per micro-batch for the rest of the epoch would cost a round trip each for nothing."""
+    samples (None: decode it; also when the pipe is gone), while its ledger holds some (``held``, shared memory: a job
+    that never resized asks nothing) and for the first ``_ASKED`` micro-batches after the feed's start or a seek: what
+    retired streams had prefetched lies right after where their clients left off, and a question per micro-batch for
+    the rest of the epoch would cost a round trip each for nothing."""
 
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
+    def __init__(self, conn: Connection, held: HeldCount | None = None) -> None:
+        self._conn, self._held = conn, held
         self._lock = threading.Lock()  # the pipeline's threads ask one at a time
         self._left = _ASKED
 
@@ -151,7 +162,7 @@ class _HandoverAsked:
 
     def __call__(self, micro_batch: MicroBatch) -> list[dict[str, Any]] | None:
         with self._lock:
-            if self._left <= 0:
+            if self._left <= 0 or (self._held is not None and not self._held.get()):
                 return None
             self._left -= 1
             positions = np.asarray(micro_batch.positions, dtype=np.int64).tolist()

@@ -55,6 +55,7 @@ from ._connection import Connection, refuse
 from ._handshake import Handshake
 from ._ledger import BatchLedger
 from ._listener import Listener
+from ._placement import CpuWindows
 from ._producer import ChildProducer, FeedProducer, Producer, ProducerSpec
 from ._producer_metrics import ProducerMetrics
 from ._protocol import PROTOCOL, RequestError, send
@@ -122,9 +123,10 @@ class FeedService:
         feed_json = config.feed.model_dump_json()
         ledger = self.ledger
         counted = self._producer_metrics
-        return lambda key, start: ChildProducer(ProducerSpec(where, feed_json, key), counted, ledger.take_at).start_at(
-            start
-        )
+        placement = CpuWindows() if config.producer_cpus == "split" else None
+        return lambda key, start: ChildProducer(
+            ProducerSpec(where, feed_json, key), counted, ledger.take_at, ledger.held, placement
+        ).start_at(start)
 
     @property
     def address(self) -> str:
@@ -181,6 +183,7 @@ class FeedService:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         self.engine.close()
+        self.ledger.close()
         self.attempts.close()
         if self._listener is not None:
             self._listener.remove()

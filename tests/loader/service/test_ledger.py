@@ -3,6 +3,9 @@ batches lent to clients after their stream dropped them (recycled when the last 
 
 from __future__ import annotations
 
+import os
+import threading
+from multiprocessing import Pipe
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +14,9 @@ import pytest
 from omnifeed.loader import PlanConfig
 from omnifeed.loader.index import SampleIndex
 from omnifeed.loader.plan import MicroBatch, Plan, PlanCursor
+from omnifeed.loader.service._arena import HeldCount
 from omnifeed.loader.service._ledger import BatchLedger
+from omnifeed.loader.service._producer_process import _HandoverAsked
 from omnifeed.loader.service._stream import Ready
 
 
@@ -92,3 +97,41 @@ def test_a_lent_batch_is_recycled_when_its_last_holder_releases_it(index: Sample
     ledger.release("b", None)  # the client left holding it
     assert stream.recycled == [mine, shared] and shared.abandoned and not mine.abandoned
     assert ledger.lent() == 0
+
+
+def test_the_held_count_producer_processes_read_follows_the_hand_over_entries(index: SampleIndex) -> None:
+    ledger = BatchLedger(index)
+    seen = HeldCount(fd=os.dup(ledger.held.fd))  # mapped again, read-only, as a producer process maps it
+    try:
+        first, second, third = micro_batches(index, 3)
+        assert seen.get() == 0
+        ledger.hand_over([harvested(index, first, "a"), harvested(index, second, "b")])
+        assert seen.get() == 2
+        ledger.take(first)
+        assert seen.get() == 1
+        ledger.take(third)  # not held: the count stays
+        assert seen.get() == 1
+        ledger.clear_handover()
+        assert seen.get() == 0
+    finally:
+        seen.close()
+        ledger.close()
+
+
+def test_a_producer_process_asks_for_hand_overs_only_while_the_service_holds_some(index: SampleIndex) -> None:
+    ledger = BatchLedger(index)
+    service_end, producer_end = Pipe(duplex=True)
+    asked = _HandoverAsked(producer_end, HeldCount(fd=os.dup(ledger.held.fd)))
+    first, second = micro_batches(index, 2)
+    try:
+        assert asked(first) is None and not service_end.poll()  # nothing held: no question on the pipe
+        ledger.hand_over([harvested(index, second, "b")])
+        answer = threading.Thread(target=lambda: service_end.send(ledger.take_at(*service_end.recv())), daemon=True)
+        answer.start()
+        assert asked(second) == [{"meta": {"tag": "b"}}]
+        answer.join(timeout=10)
+        assert asked(first) is None and not service_end.poll()  # the count is back to zero
+    finally:
+        service_end.close()
+        producer_end.close()
+        ledger.close()
