@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omnifeed.tools._bench_training import calibrate, job_figures
+from omnifeed.tools._bench_training import calibrate, job_figures, median_run
 from omnifeed.tools._bench_training_rank import batch_tokens
 
 _CLI = "from omnifeed.tools._cli import main; raise SystemExit(main())"
@@ -62,6 +62,13 @@ def test_compute_heavy_is_six_times_the_data_heavy_cost_per_token() -> None:
     assert c["no-compute"] == 0.0
     assert c["data-heavy"] == pytest.approx(0.5 * 0.1 / 1000)
     assert c["compute-heavy"] == pytest.approx(6 * c["data-heavy"])
+
+
+def test_c_comes_from_the_dataloader_run_of_median_step_time() -> None:
+    runs = [{"step_s": 0.034, "run": "slow"}, {"step_s": 0.024, "run": "fast"}, {"step_s": 0.027, "run": "middle"}]
+    assert median_run(runs)["run"] == "middle"
+    assert median_run(runs[:2])["run"] == "fast"  # an even count: the lower middle
+    assert median_run(runs[:1])["run"] == "slow"
 
 
 @pytest.mark.soak
