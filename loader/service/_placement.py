@@ -1,4 +1,4 @@
-"""`CpuWindows`: the node's producer processes, each on an equal window of the CPUs the service may use.
+"""`CpuWindows`: the node's producer processes, each on a window of its own of the CPUs the service may use.
 
 With ``producer_cpus: split`` the service divides its CPUs (its own affinity, so a cgroup's or
 ``taskset``'s limit holds) into one window per live producer process, in the order they started,
@@ -10,8 +10,8 @@ the producers do not divide them evenly, adjacent windows share the CPU on their
 Why: a producer's decode threads drop and retake its interpreter lock for each chunk or frame
 they decode. Spread over every core with the other producers' threads, the one holding it is
 often preempted by another process while its own threads wait for it; on a window of its own
-they take turns. On 2 cores and 2 ranks that was 5 % less CPU a sample (benchmarks/RESULTS.md,
-issue 29). Threads a producer starts later inherit their creator's window, so confining every
+they take turns. On 2 cores and 2 ranks that was 4 % less CPU a batch (benchmarks/RESULTS.md,
+"2026-12-05: producers on CPU windows"). Threads a producer starts later inherit their creator's window, so confining every
 thread once is enough; a thread started between the listing and the confining is caught by a
 second pass.
 """
