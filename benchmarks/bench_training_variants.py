@@ -47,7 +47,12 @@ def run(
         data = write_training_data(work / f"data-{samples}", samples, 8)
         saved.write_text(json.dumps(dataclasses.asdict(data)))
     config = training.TrainingConfig(work=work, samples=samples)
-    calibration = training.job_figures(training.run_job(config, data, "dataloader", 0.0))
+    calibration = training.median_run(  # as the scenario calibrates: the median of its DataLoader runs
+        [
+            training.job_figures(training.run_job(config, data, "dataloader", 0.0))
+            for _ in range(config.calibration_runs)
+        ]
+    )
     seconds_per_token = training.calibrate(calibration)
     jobs = []
     order = [(variant, point) for point in points for variant in variants]
