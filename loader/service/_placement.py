@@ -11,9 +11,9 @@ Why: a producer's decode threads drop and retake its interpreter lock for each c
 they decode. Spread over every core with the other producers' threads, the one holding it is
 often preempted by another process while its own threads wait for it; on a window of its own
 they take turns. On 2 cores and 2 ranks that was 4 % less CPU a batch (benchmarks/RESULTS.md,
-"2026-12-05: producers on CPU windows"). Threads a producer starts later inherit their creator's window, so confining every
-thread once is enough; a thread started between the listing and the confining is caught by a
-second pass.
+"2026-12-05: producers on CPU windows"). Threads a producer starts later inherit their creator's
+window, so confining every thread once is enough; a thread started between the listing and the
+confining is caught by a second pass.
 """
 
 from __future__ import annotations
