@@ -50,6 +50,21 @@ _CODES = {dtype: code for code, dtype in _NUMPY.items()}
 _REF = struct.Struct("<iIQBB")  # segment slot, its generation, offset, dtype code, dimensions; then the shape (int64s)
 
 
+def _mapped_memfd(name: str, size: int, fd: int | None, writable: bool = True) -> tuple[int, mmap.mmap]:
+    """(descriptor, mapping) of a new anonymous shared-memory file of ``size`` bytes, or of ``fd`` (another process's,
+    received over a socket; the mapping owns it now); the descriptor is closed if mapping fails."""
+    created = fd is None
+    fd = os.memfd_create(name, os.MFD_CLOEXEC) if fd is None else fd
+    try:
+        if created:
+            os.ftruncate(fd, size)
+        prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+        return fd, mmap.mmap(fd, size, prot=prot)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class Segment:
     """One shared-memory file mapped into the service: a slot of its stream (``slot`` -1: one-off)."""
 
@@ -59,14 +74,7 @@ class Segment:
         segment's now)."""
         self.slot, self.generation = slot, generation
         self.size = max(_MIN_SEGMENT, size) if fd is None else size
-        self.fd = os.memfd_create(f"omnifeed-batch-{slot}", os.MFD_CLOEXEC) if fd is None else fd
-        try:
-            if fd is None:
-                os.ftruncate(self.fd, self.size)
-            self._map = mmap.mmap(self.fd, self.size)
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self.fd, self._map = _mapped_memfd(f"omnifeed-batch-{slot}", self.size, fd)
         self.base: np.ndarray | None = np.frombuffer(self._map, dtype=np.uint8)
         self.address = self.base.ctypes.data
 
@@ -95,14 +103,7 @@ class HeldCount:
     def __init__(self, fd: int | None = None) -> None:
         """A new count (the ledger's), or, with ``fd``, the ledger's count mapped in a producer process (which keeps
         the descriptor)."""
-        self.fd = os.memfd_create("omnifeed-handover-held", os.MFD_CLOEXEC) if fd is None else fd
-        try:
-            if fd is None:
-                os.ftruncate(self.fd, mmap.PAGESIZE)
-            self._map = mmap.mmap(self.fd, mmap.PAGESIZE, prot=mmap.PROT_READ | (mmap.PROT_WRITE if fd is None else 0))
-        except BaseException:
-            os.close(self.fd)
-            raise
+        self.fd, self._map = _mapped_memfd("omnifeed-handover-held", mmap.PAGESIZE, fd, writable=fd is None)
         self._value = np.frombuffer(self._map, dtype=np.int64, count=1)
 
     def set(self, held: int) -> None:

@@ -18,7 +18,7 @@ and gets the batch's frame back (`Produced`). Two producers, as ``ServiceConfig.
              ◀──("batch", frame, state after, delivery record) | ("error", exception)
       stream ──("seek", state)──▶ a client asked for an earlier position
       metrics pipe: None ──▶ ◀── the feed's metrics (answered by a thread of the child's, even mid-batch)
-      hand-over pipe: ──(the descriptor of the ledger's `HeldCount`, once)──▶
+      hand-over pipe: ──(the descriptor of the ledger's `HeldCount`, once; no hand-over: nothing, never asked)──▶
                       ◀──(epoch, micro-batch, positions)── ──decoded samples or None──▶ (a thread of the service's
                       answers from the `BatchLedger`: what retired streams had decoded before a resize; asked only
                       while the count says it holds some)
@@ -142,8 +142,13 @@ class ProducerDied(RuntimeError):
     """A stream's producer process died (killed, out of memory, or crashed on the input) too many times in a row."""
 
 
-HandoverAt = Callable[[int, int, list[int]], "list[dict[str, Any]] | None"]
-"""The decoded samples of micro-batch (epoch, number, positions) a retired stream had made, or None."""
+class HandoverSource(Protocol):
+    """Where a producer process's hand-over questions are answered (the service's `BatchLedger`)."""
+
+    held: HeldCount  # how many micro-batches it holds: a producer asks only while there are some
+
+    def take_at(self, epoch: int, number: int, positions: list[int]) -> list[dict[str, Any]] | None:
+        """The decoded samples of micro-batch (epoch, number, positions) a retired stream had made, or None."""
 
 
 class ChildProducer:
@@ -153,16 +158,14 @@ class ChildProducer:
         self,
         spec: ProducerSpec,
         counted: ProducerMetrics | None = None,
-        handover: HandoverAt | None = None,
-        held: HeldCount | None = None,
+        handover: HandoverSource | None = None,
         placement: CpuWindows | None = None,
     ) -> None:
         """``counted``: the service's producers' metrics, this one's among them until it closes (so the service's
-        counters never go back); ``handover``: what the process's pipeline is given when it asks for a micro-batch
-        decoded already, and ``held``: how many the service holds (the process asks only while there are some; None:
-        it always asks); ``placement``: the node's CPU windows its process gets one of (None: the OS places it)."""
+        counters never go back); ``handover``: where the process asks for a micro-batch a retired stream decoded
+        already (None: it never asks); ``placement``: the node's CPU windows its process gets one of (None: the OS
+        places it)."""
         self._spec, self._counted, self._handover, self._placement = spec, counted, handover, placement
-        self._held = held
         self._position: FeedPosition | None = None
         self._process: Any = None
         self._conn: Connection | None = None  # the work pipe: the producer thread's alone
@@ -241,12 +244,12 @@ class ChildProducer:
         try:
             process = child_process_type(context)(
                 target=serve,
-                args=(child, answers, wants, self._spec, self.position.to_dict(), self._held is not None),
+                args=(child, answers, wants, self._spec, self.position.to_dict(), self._handover is not None),
                 name=f"omnifeed-producer-{self._spec.key[1]}",
             )
             process.start()
-            if self._held is not None:  # the first thing on the hand-over pipe
-                send_handle(gives, self._held.fd, process.pid)
+            if self._handover is not None:  # the first thing on the hand-over pipe
+                send_handle(gives, self._handover.held.fd, process.pid)
         except BaseException:
             for conn in (parent, asks, gives):
                 conn.close()
@@ -270,7 +273,7 @@ class ChildProducer:
         try:
             while True:
                 epoch, number, positions = conn.recv()
-                conn.send(self._handover(epoch, number, positions) if self._handover is not None else None)
+                conn.send(self._handover.take_at(epoch, number, positions) if self._handover is not None else None)
         except (EOFError, OSError):
             pass
         finally:

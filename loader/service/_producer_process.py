@@ -73,23 +73,24 @@ def serve(
     handover: Connection,
     spec: ProducerSpec,
     start: dict[str, Any],
-    held: bool = False,
+    handover_from_service: bool = False,
 ) -> None:
     """A producer process: build the stream's feed at ``start``, then answer the stream's requests until its work
-    pipe ends. ``held``: the hand-over pipe first brings the descriptor of the service's `HeldCount`."""
+    pipe ends. ``handover_from_service``: the hand-over pipe first brings the descriptor of the service's
+    `HeldCount`, and the feed asks there for micro-batches decoded already (else it never asks)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the service decides when its producers stop
     mapped: dict[int, Segment] = {}
     feed: Feed | None = None
     engine: DecodeEngine | None = None
     count: HeldCount | None = None
     try:
-        if held:
+        if handover_from_service:
             count = HeldCount(fd=recv_handle(handover))
         dp_world, dp_rank, accum = spec.key
         config = FeedConfig.model_validate_json(spec.config_json)
         index = open_feed_index(spec.index, config)
         engine = DecodeEngine.build(index, config, with_pools=False)  # each pipeline makes its pools, as a Feed's
-        asked = _HandoverAsked(handover, count)
+        asked = _HandoverAsked(handover, count) if count is not None else None
         shared = engine.shared(Plan.from_index(index, engine.config.plan), asked)
         feed = Feed(index, config, world_size=dp_world, rank=dp_rank, grad_accum=accum, shared=shared)
         feed.seek(FeedPosition.from_dict(start))
@@ -98,7 +99,8 @@ def serve(
             request = work.recv()
             if request[0] == "seek":
                 feed.seek(FeedPosition.from_dict(request[1]))
-                asked.again()
+                if asked is not None:
+                    asked.again()
                 continue
             _, seq, handle, name, new, live = request
             segment = _mapped(work, mapped, handle, name, new)
@@ -150,7 +152,7 @@ class _HandoverAsked:
     retired streams had prefetched lies right after where their clients left off, and a question per micro-batch for
     the rest of the epoch would cost a round trip each for nothing."""
 
-    def __init__(self, conn: Connection, held: HeldCount | None = None) -> None:
+    def __init__(self, conn: Connection, held: HeldCount) -> None:
         self._conn, self._held = conn, held
         self._lock = threading.Lock()  # the pipeline's threads ask one at a time
         self._left = _ASKED
@@ -162,7 +164,7 @@ class _HandoverAsked:
 
     def __call__(self, micro_batch: MicroBatch) -> list[dict[str, Any]] | None:
         with self._lock:
-            if self._left <= 0 or (self._held is not None and not self._held.get()):
+            if self._left <= 0 or not self._held.get():
                 return None
             self._left -= 1
             positions = np.asarray(micro_batch.positions, dtype=np.int64).tolist()

@@ -125,7 +125,7 @@ class FeedService:
         counted = self._producer_metrics
         placement = CpuWindows() if config.producer_cpus == "split" else None
         return lambda key, start: ChildProducer(
-            ProducerSpec(where, feed_json, key), counted, ledger.take_at, ledger.held, placement
+            ProducerSpec(where, feed_json, key), counted, ledger, placement
         ).start_at(start)
 
     @property

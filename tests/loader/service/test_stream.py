@@ -50,7 +50,7 @@ def parts(index_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Str
             return FeedProducer(index, engine.config, shared, key, start)
     else:
         spec = engine.config.model_dump_json()
-        handover = BatchLedger(index).take_at  # as the service builds them
+        handover = BatchLedger(index)  # as the service builds them
 
         def producer(key: tuple[int, int, int], start: FeedPosition) -> Producer:
             return ChildProducer(ProducerSpec(str(index_dir), spec, key), handover=handover).start_at(start)
