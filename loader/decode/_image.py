@@ -32,6 +32,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import mmap
 
 import av
 import numpy as np
@@ -270,7 +271,7 @@ def _scaled_chw(rows: np.ndarray, box: tuple[int, ...], out: tuple[int, int], re
     Pillow's resize each cost about twice its CPU, and the planes are already the output's layout.
     """
     left, top, right, bottom = box
-    region = rows[top:bottom, left:right]  # a view, and so is the frame over it: its rows a row stride apart
+    region = _readable_past_end(rows[top:bottom, left:right])  # a frame over a view: its rows a row stride apart
     layout = _SWS_LAYOUT[1 if region.ndim == 2 else region.shape[2]]
     width, height = out
     planar = VideoReformatter().reformat(
@@ -285,6 +286,33 @@ def _scaled_chw(rows: np.ndarray, box: tuple[int, ...], out: tuple[int, int], re
     for channel, plane in zip((1, 2, 0), planar.planes):  # gbrp's planes are G, B, R
         chw[channel] = plane_rows(plane, height)[:, :width]
     return chw
+
+
+_OVERREAD = 128
+"""Bytes past a frame's last pixel libswscale may read: its SIMD loads read up to 48 past packed RGB rows (libswscale
+9.5, measured over random sizes, filters and pixel formats), as FFmpeg expects its own frames' padding after them."""
+_PAGE = mmap.PAGESIZE
+
+
+def _readable_past_end(region: np.ndarray) -> np.ndarray:
+    """``region``, or a copy of it with `_OVERREAD` bytes after it, where the bytes after its last pixel may not be
+    mapped: libswscale reading past the end of rows that end at the last byte of a page (simplejpeg's array, Pillow's
+    pixels) would kill the process with a segfault. In place (no copy) unless the last pixel is that close to both
+    the end of its array's memory and the end of a page: about one picture in thirty."""
+    root = region
+    while isinstance(root.base, np.ndarray):
+        root = root.base
+    start = region.__array_interface__["data"][0]
+    last = start + sum((n - 1) * stride for n, stride in zip(region.shape, region.strides))  # its last byte
+    if (
+        last + _OVERREAD < root.__array_interface__["data"][0] + root.nbytes
+        or last // _PAGE == (last + _OVERREAD) // _PAGE
+    ):
+        return region
+    padded = np.empty(region.nbytes + _OVERREAD, dtype=np.uint8)
+    copy = padded[: region.nbytes].reshape(region.shape)
+    copy[...] = region
+    return copy
 
 
 def _rgb_pixels(image: Image.Image) -> np.ndarray:

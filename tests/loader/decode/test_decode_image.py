@@ -265,3 +265,45 @@ def test_the_scaler_reads_a_view_of_the_rows_as_it_reads_their_copy(channels: in
     in_place = _scaled_chw(rows, box, (224, 224), "bilinear")
     copied = _scaled_chw(np.ascontiguousarray(region), (0, 0, 250, 250), (224, 224), "bilinear")
     assert np.array_equal(in_place, copied)
+
+
+_ROWS_BEFORE_AN_UNMAPPED_PAGE = """
+import ctypes, mmap, sys
+import numpy as np
+from omnifeed.loader.decode._image import _scaled_chw
+
+libc, rng = ctypes.CDLL(None), np.random.default_rng(int(sys.argv[1]))
+for _ in range(int(sys.argv[2])):
+    channels = int(rng.choice([1, 3, 4]))
+    height, width = int(rng.integers(1, 600)), int(rng.integers(1, 2000))
+    out = (224, 224) if rng.random() < 0.5 else (int(rng.integers(8, 1000)), int(rng.integers(8, 800)))
+    resample = str(rng.choice(["bilinear", "bicubic", "lanczos"]))
+    nbytes, slack = height * width * channels, int(rng.choice([0, 8, 16, 24, 40]))
+    pages = -(-(nbytes + slack) // mmap.PAGESIZE) + 1
+    memory = mmap.mmap(-1, pages * mmap.PAGESIZE)
+    readable = np.frombuffer(memory, np.uint8, count=(pages - 1) * mmap.PAGESIZE)
+    libc.mprotect(ctypes.c_void_p(readable.ctypes.data + readable.nbytes), mmap.PAGESIZE, 0)  # PROT_NONE
+    end = readable.size - slack
+    rows = readable[end - nbytes : end].reshape((height, width, channels)[: 2 if channels == 1 else 3])
+    rows[...] = rng.integers(0, 256, rows.shape, dtype=np.uint8)
+    try:
+        expected = _scaled_chw(np.ascontiguousarray(rows), (0, 0, width, height), out, resample)
+    except Exception:  # a scale libswscale refuses (e.g. 1,000 pixels to 8)
+        continue
+    assert np.array_equal(_scaled_chw(rows, (0, 0, width, height), out, resample), expected)
+print("ok")
+"""
+
+
+def test_rows_that_end_just_before_an_unmapped_page_are_scaled_without_a_crash() -> None:
+    """libswscale reads up to 48 bytes past a frame's last pixel: rows that end at the end of their memory and of a page
+    (simplejpeg's array did, once in a few thousand photos) killed the decoding process with a segfault. Random
+    sizes, pixel formats and filters, each picture's rows ending 0-40 bytes before a page that is not mapped, in a
+    child process (a segfault there fails the test instead of killing pytest); the pixels are those of a copy."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _ROWS_BEFORE_AN_UNMAPPED_PAGE, "29", "300"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
