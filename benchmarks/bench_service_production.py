@@ -3,7 +3,7 @@
     python benchmarks/bench_service_production.py [--samples 1024] [--batch 8] [--epochs 3] [--rounds 3]
                                                   [--compute-ms 0] [--work DIR] [--out FILE.json]
                                                   [--feed JSON] [--service-feed JSON] [--service-config JSON]
-                                                  [--instrument MOD:NAME ...]
+                                                  [--instrument MOD:NAME ...] [--rank-instrument MOD:NAME ...]
 
 The data: the demo generator's four-modality mix (`omnifeed.tools._demo_data`: images with
 captions, text, short H.264 clips, FLAC audio, JSON meta; images 160–640 px as `omnifeed bench`'s
@@ -34,7 +34,8 @@ producer processes as ``omnifeed-producer``, since /proc does not know their nam
 by thread id, so the table says where each side's CPU went, and how the decode threads spent their time
 (``/proc`` schedstat): *running*, *waiting for a core* (runnable, no core free), *asleep*
 (no work, or waiting for a lock: the interpreter lock among them); ``--instrument`` adds up the
-service's CPU inside named functions (``time.thread_time``, no profiler). ``--feed`` (`FeedConfig`
+service's CPU inside named functions (``time.thread_time``, no profiler), ``--rank-instrument`` each rank
+process's (its whole run, warm-up epoch included). ``--feed`` (`FeedConfig`
 fields) sets every layout's decode workers; ``--service-feed`` (`FeedConfig`) and ``--service-config``
 (`ServiceConfig` fields) change the service only (A/B runs). Rounds alternate the order; medians.
 Writes ``--out`` (JSON) and prints a table with the service's ratios to the feeds.
@@ -267,6 +268,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
     ``epoch K`` (the parent reads the service's CPU then); its rate and CPU over the epochs after the first."""
     import torch  # noqa: F401  a trainer has torch imported before its first batch
 
+    instrument(spec.get("rank_instrument") or [])
     loader = _loader(spec)
     print("ready", flush=True)
     sys.stdin.readline()
@@ -306,6 +308,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "stalls": stalls[0],
         "threads": _minus(threads1, threads0),
         "decode_shares": _decode_shares(sched0, sched1, t1 - t0),
+        "spent": spent(),
     }
 
 
@@ -397,6 +400,7 @@ def run_layout(
     compute_ms: float = 0.0,
     service_config: dict[str, Any] | None = None,
     feed: dict[str, Any] | None = None,
+    rank_instrumented: list[str] | None = None,
 ) -> dict[str, Any]:
     """Two rank processes (and the service or services), one run: rates, CPU, CPU per thread group, over the
     epochs after the first (the read-ahead is full at both ends, so it cancels out)."""
@@ -428,7 +432,7 @@ def run_layout(
                 )
             )
             _expect_ready(services[-1])
-    ranks = [_spawn({**base, "role": "rank", "rank": r}) for r in range(RANKS)]
+    ranks = [_spawn({**base, "role": "rank", "rank": r, "rank_instrument": rank_instrumented}) for r in range(RANKS)]
     try:
         for child in ranks:
             _expect_ready(child)
@@ -496,6 +500,7 @@ def run_layout(
         "service": served,
         "rank_threads": [r["threads"] for r in results],
         "rank_decode_shares": [r["decode_shares"] for r in results],
+        "rank_spent": [r["spent"] for r in results],
     }
 
 
@@ -539,6 +544,12 @@ def main(argv: list[str] | None = None) -> int:
         "--instrument", nargs="*", default=[], help="module:qualname (under omnifeed.) whose CPU the service adds up."
     )
     parser.add_argument(
+        "--rank-instrument",
+        nargs="*",
+        default=[],
+        help="module:qualname (under omnifeed.) whose CPU each rank process adds up (its whole run).",
+    )
+    parser.add_argument(
         "--compute-ms", type=float, default=0.0, help="The trainer's compute per batch (a sleep: no CPU); 0: none."
     )
     parser.add_argument(
@@ -573,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.compute_ms,
                 args.service_config,
                 args.feed,
+                args.rank_instrument,
             )
             runs[layout].append(result)
             decode = _decode_threads(result)
@@ -599,6 +611,10 @@ def main(argv: list[str] | None = None) -> int:
     for layout in ("service", "services"):
         if "vs_feeds" in rows.get(layout, {}):
             print(f"{layout} / feeds: {rows[layout]['vs_feeds']}")
+    for layout, row in rows.items():
+        for rank, spent_here in enumerate(row["rank_spent"]):
+            if spent_here:
+                print(f"{layout} rank {rank} (CPU s, calls): {spent_here}")
     report = {
         "command": " ".join(["python", "benchmarks/bench_service_production.py", *(argv or sys.argv[1:])]),
         "samples": args.samples,
