@@ -18,6 +18,7 @@ sending it: memory then follows what the client holds, as with a DataLoader.
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 import os
@@ -202,14 +203,20 @@ def _split(node: dict[str, Any], segment: Segment, path: list[Any], entries: lis
     return rest
 
 
+_LEAVES = frozenset({str, int, float, bool, bytes, type(None)})
+"""Types of the values a batch holds most (keys, strings, info, parsed JSON): passed on without a look inside."""
+
+
 def _inline(value: Any, segment: Segment) -> Any:
     """``value`` with each array as a reference in place (outside the layout)."""
+    if type(value) in _LEAVES:
+        return value
     if isinstance(value, np.ndarray):
         return msgpack.ExtType(TENSOR_EXT, _reference(value, segment))
     if isinstance(value, dict):
-        return {k: _inline(v, segment) for k, v in value.items()}
+        return {k: v if type(v) in _LEAVES else _inline(v, segment) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_inline(v, segment) for v in value]
+        return [v if type(v) in _LEAVES else _inline(v, segment) for v in value]
     return value
 
 
@@ -224,9 +231,13 @@ def _reference(array: np.ndarray, segment: Segment) -> bytes:
     offset = 0 if nbytes == 0 else array.__array_interface__["data"][0] - segment.address
     if nbytes and (not array.flags.c_contiguous or offset < 0 or offset + nbytes > segment.size):
         raise ValueError("a batch array is not in the batch's shared-memory segment (collate with its allocator)")
-    return _REF.pack(segment.slot, segment.generation, offset, code, array.ndim) + struct.pack(
-        f"<{array.ndim}q", *array.shape
-    )
+    return _reference_format(array.ndim).pack(segment.slot, segment.generation, offset, code, array.ndim, *array.shape)
+
+
+@functools.cache
+def _reference_format(ndim: int) -> struct.Struct:
+    """A reference's fields (`_REF`) and a shape of ``ndim`` dimensions, packed at once."""
+    return struct.Struct(_REF.format + f"{ndim}q")
 
 
 def read_reference(data: bytes) -> tuple[int, int, int, str, tuple[int, ...]]:
@@ -234,10 +245,11 @@ def read_reference(data: bytes) -> tuple[int, int, int, str, tuple[int, ...]]:
     malformed."""
     if len(data) < _REF.size:
         raise ValueError("a tensor reference is too short")
-    slot, generation, offset, dtype_code, ndim = _REF.unpack_from(data)
+    ndim = data[_REF.size - 1]  # the header's last field
     if len(data) != _REF.size + 8 * ndim:
         raise ValueError("a tensor reference's shape does not match its length")
-    shape = struct.unpack_from(f"<{ndim}q", data, _REF.size)
+    slot, generation, offset, dtype_code, _, *dimensions = _reference_format(ndim).unpack(data)
+    shape = tuple(dimensions)
     if dtype_code >= len(DTYPES) or min(shape, default=0) < 0:
         raise ValueError(f"a tensor reference with dtype code {dtype_code} and shape {shape}")
     return slot, generation, offset, DTYPES[dtype_code], shape

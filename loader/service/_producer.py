@@ -36,13 +36,14 @@ import atexit
 import logging
 import multiprocessing.util  # noqa: F401  before our exit hook: hooks run in reverse, ours first
 import os
+import select
 import socket
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import get_context
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from multiprocessing.reduction import send_handle
 from typing import Any, Protocol
 
@@ -169,6 +170,7 @@ class ChildProducer:
         self._position: FeedPosition | None = None
         self._process: Any = None
         self._conn: Connection | None = None  # the work pipe: the producer thread's alone
+        self._replies = select.poll()  # the work pipe and the process's sentinel (one poll object a process)
         self._metrics_conn: Connection | None = None  # the metrics pipe, under its lock
         self._handover_conn: Connection | None = None  # the hand-over pipe: its thread's (which closes it)
         self._metrics_lock = threading.Lock()
@@ -263,7 +265,10 @@ class ChildProducer:
         threading.Thread(
             target=self._answer_handover, args=(gives,), name=f"omnifeed-handover-{self._spec.key[1]}", daemon=True
         ).start()
-        self._process, self._conn = process, parent
+        replies = select.poll()
+        for readable in (parent.fileno(), process.sentinel):
+            replies.register(readable, select.POLLIN)
+        self._process, self._conn, self._replies = process, parent, replies
         self._handles = weakref.WeakKeyDictionary()  # a new process has mapped none of the segments
         if self._placement is not None and process.pid is not None:
             self._placement.add(self, process.pid)
@@ -317,8 +322,9 @@ class ChildProducer:
     def _receive(self) -> Any:
         """The process's next reply; `ProducerGone` when it died (its pipe ended, or it exited)."""
         assert self._conn is not None
-        ready = wait([self._conn, self._process.sentinel])
-        if self._conn not in ready:
+        pipe = self._conn.fileno()
+        # one poll object a process: multiprocessing's wait() builds and tears down a selector each call
+        if not any(fd == pipe for fd, _ in self._replies.poll()):
             raise ProducerGone()
         try:
             return self._conn.recv()  # EOF mid-message when it died writing: nothing else writes here
