@@ -168,9 +168,12 @@ def _decode_jpeg(data: bytes, config: ImageDecodeConfig, key: str) -> np.ndarray
         fits = min(width // whole[0], height // whole[1])
         denominator = next((s for s in (8, 4, 2) if fits >= s), 1)
     scaled = (-(-height // denominator), -(-width // denominator))  # libjpeg's 1/s: partial blocks round up
+    channels = 1 if colorspace == "Gray" else 3
+    # decoded into memory with room after its last pixel for libswscale's reads (`_readable_past_end` copies none)
+    room = np.empty(scaled[0] * scaled[1] * channels + _OVERREAD, dtype=np.uint8)
     try:
         rows = simplejpeg.decode_jpeg(
-            data, "GRAY" if colorspace == "Gray" else "RGB", min_height=scaled[0], min_width=scaled[1]
+            data, "GRAY" if channels == 1 else "RGB", min_height=scaled[0], min_width=scaled[1], buffer=room
         )
     except ValueError:  # corrupt, truncated, or a warning strict mode refuses
         return None
@@ -298,7 +301,8 @@ def _readable_past_end(region: np.ndarray) -> np.ndarray:
     """``region``, or a copy of it with `_OVERREAD` bytes after it, where the bytes after its last pixel may not be
     mapped: libswscale reading past the end of rows that end at the last byte of a page (simplejpeg's array, Pillow's
     pixels) would kill the process with a segfault. In place (no copy) unless the last pixel is that close to both
-    the end of its array's memory and the end of a page: about one picture in thirty."""
+    the end of its array's memory and the end of a page: about one picture in thirty of Pillow's, none of the JPEGs
+    `_decode_jpeg` decodes (into memory with that room)."""
     root = region
     while isinstance(root.base, np.ndarray):
         root = root.base
