@@ -196,7 +196,7 @@ def _run_bench_training(args: argparse.Namespace) -> int:
     if args.node_ranks < 2:
         raise ValueError("--scenario training needs --node-ranks 2 or more (the data-parallel ranks)")
     sizes = (
-        dict(samples=64, batch_size=4, rounds=1, calibration_runs=1)
+        dict(samples=64, batch_size=4, rounds=1, warmup_runs=0)
         if args.quick
         else dict(samples=args.mixed, batch_size=args.batch_size or 8, rounds=args.rounds)
     )

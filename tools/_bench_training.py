@@ -14,8 +14,11 @@ barrier (the all-reduce). The same four-modality mix, decode and cores for every
   their batches in a producer process each (``producers: auto``), ``workers / ranks`` decode threads each.
 
 Three compute points: none (the loader's own rate), *data-heavy* (``c`` such that the DataLoader's
-compute per step is half its production time per step, measured first in a run without
-compute) and *compute-heavy* (6 × that ``c``). Rounds alternate the order; medians are reported.
+compute per step is half its production time per step) and *compute-heavy* (6 × that ``c``). Every
+loader runs without compute first, ``rounds`` times in alternating order, after ``warmup_runs`` DataLoader
+runs that count for nothing; ``c`` comes from the median of the DataLoader's runs among them (its own
+production time, measured in the same minutes as the others'); then the two compute points, ``rounds``
+times alternated. Medians are reported.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class TrainingConfig:
     workers: int = 2  # decode workers of the node, every loader alike
     batch_size: int = 8
     rounds: int = 3
-    calibration_runs: int = 3  # the DataLoader's runs without compute; c comes from the median one
+    warmup_runs: int = 1  # DataLoader runs without compute before the rounds, not counted (the first one runs slow)
     python: str = sys.executable
     timeout_s: float = 900.0
 
@@ -207,43 +210,54 @@ def _median_row(loader: str, point: str, runs: list[dict[str, Any]], c: float) -
 
 
 def run_training(config: TrainingConfig, log: Any = None) -> dict[str, Any]:
-    """Generate the mix, calibrate on the DataLoader, run every loader × point ``rounds`` times: the report."""
+    """Generate the mix, run every loader without compute, calibrate c on the DataLoader's runs, then every loader
+    at both compute points: ``rounds`` times each, alternated; the report."""
     config.work.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     data = write_training_data(config.work / "data", config.samples, config.batch_size)
-    # One run alone set c by whatever the host did then: 33.8 against 24.0 ms a step an hour apart, so the data-heavy
-    # point moved by 40 % between runs of the same code (benchmarks/RESULTS.md). The median of a few holds still.
-    calibrations = [
-        job_figures(run_job(config, data, "dataloader", 0.0)) for _ in range(max(config.calibration_runs, 1))
-    ]
+    # c from the DataLoader's runs without compute, alternated with the other loaders' in the same minutes. One run
+    # alone set c by whatever the host did then (33.8 against 24.0 ms a step an hour apart); three in a row right after
+    # the data was written ran at 36-56 ms against 26 in the rounds after them (benchmarks/RESULTS.md).
+    warmups = [job_figures(run_job(config, data, "dataloader", 0.0)) for _ in range(config.warmup_runs)]
+    order = [(loader, point) for point in POINTS for loader in TRAINING_LOADERS]
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key in order}
+    seconds_per_token = {"no-compute": 0.0}
+
+    def play(points: tuple[str, ...]) -> None:
+        """Every loader at ``points``, ``rounds`` times in alternating order."""
+        phase = [(loader, point) for loader, point in order if point in points]
+        for round_ in range(config.rounds):
+            for loader, point in phase if round_ % 2 == 0 else list(reversed(phase)):
+                try:
+                    figures = job_figures(run_job(config, data, loader, seconds_per_token[point]))
+                except Exception as exc:  # one loader failing does not stop the others
+                    figures = {"error": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
+                runs[(loader, point)].append(figures)
+                if log is not None and "error" not in figures:
+                    log(
+                        f"round {round_ + 1} {point:13} {loader:16} useful util {figures['useful_util']:.2f} "
+                        f"stall {figures['stall']:.2f} padding {figures['padding']:.2f} "
+                        f"{figures['samples_per_s']:.0f} samples/s"
+                    )
+                elif log is not None:
+                    log(f"round {round_ + 1} {point:13} {loader:16} {figures['error']}")
+
+    play(POINTS[:1])
+    calibrations = [r for r in runs[("dataloader", "no-compute")] if "error" not in r]
+    if not calibrations:
+        raise RuntimeError(f"the DataLoader failed without compute: {runs[('dataloader', 'no-compute')][-1]['error']}")
     calibration = median_run(calibrations)
     seconds_per_token = calibrate(calibration)
     if log is not None:
         each = ", ".join(f"{r['step_s'] * 1e3:.1f}" for r in calibrations)
         log(
             f"calibration: DataLoader {calibration['step_s'] * 1e3:.1f} ms a step without compute "
-            f"(the median of {each}), "
+            f"(the median of its rounds: {each}), "
             f"{calibration['padded_tokens_per_step']:.0f} padded tokens a batch: c = "
             f"{seconds_per_token['data-heavy'] * 1e9:.0f} ns a token (data-heavy), "
             f"×{COMPUTE_HEAVY_FACTOR:.0f} compute-heavy"
         )
-    order = [(loader, point) for point in POINTS for loader in TRAINING_LOADERS]
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key in order}
-    for round_ in range(config.rounds):
-        for loader, point in order if round_ % 2 == 0 else list(reversed(order)):
-            try:
-                figures = job_figures(run_job(config, data, loader, seconds_per_token[point]))
-            except Exception as exc:  # one loader failing does not stop the others
-                figures = {"error": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
-            runs[(loader, point)].append(figures)
-            if log is not None and "error" not in figures:
-                log(
-                    f"round {round_ + 1} {point:13} {loader:16} useful util {figures['useful_util']:.2f} "
-                    f"stall {figures['stall']:.2f} padding {figures['padding']:.2f} "
-                    f"{figures['samples_per_s']:.0f} samples/s"
-                )
-            elif log is not None:
-                log(f"round {round_ + 1} {point:13} {loader:16} {figures['error']}")
+    play(POINTS[1:])
     rows = [_median_row(loader, point, runs[(loader, point)], seconds_per_token[point]) for loader, point in order]
     return {
         "machine": {"cpus": os.cpu_count(), "python": config.python},
@@ -255,6 +269,7 @@ def run_training(config: TrainingConfig, log: Any = None) -> dict[str, Any]:
         },
         "calibration": calibration,
         "calibration_step_s": [r["step_s"] for r in calibrations],
+        "warmup_step_s": [r["step_s"] for r in warmups],
         "rows": rows + _peer_rows(),
         "rounds": {f"{loader}/{point}": runs[(loader, point)] for loader, point in order},
     }

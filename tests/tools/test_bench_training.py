@@ -97,5 +97,8 @@ def test_quick_training_scenario_reports_every_loader_at_every_point(tmp_path: P
         assert {rows[(peer, p)]["status"].split(":")[0] for p in points} <= {"missing", "n/a"}
     c = report["settings"]["seconds_per_token"]
     assert 0 < c["data-heavy"] < c["compute-heavy"]
+    # c from the DataLoader's own rounds without compute, measured among the other loaders' (no warm-up run: --quick)
+    assert report["calibration_step_s"] == [r["step_s"] for r in report["rounds"]["dataloader/no-compute"]]
+    assert report["warmup_step_s"] == []
     assert "| compute-heavy | omnifeed-service |" in run.stdout
     assert (out / "training.png").is_file() or "no plot" in run.stdout
