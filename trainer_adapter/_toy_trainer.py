@@ -22,6 +22,7 @@ peer of the same run loads.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -211,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.torchrun:
         import torch.distributed as dist
 
+        # DDP's reducer holds the process group. Dropped at exit, the reducer would destroy the group holding the
+        # interpreter lock while it joins gloo's threads, one of which may be waiting for that lock to release a
+        # Python object: a hang seen in CI. Dropped first, the group goes in destroy_process_group, lock released.
+        del model, optimizer, loss
+        gc.collect()
         dist.destroy_process_group()
     return 0
 
