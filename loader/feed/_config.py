@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -107,8 +107,11 @@ class FeedConfig(BaseModel):
         description="Per-modality augmentation after decoding, random by (plan seed, epoch, sample key).",
     )
     pools: dict[str, PoolConfig] = Field(default_factory=_default_pools, description="Per-modality pools.")
-    shared_workers: int = Field(
-        default=1, ge=0, description="Threads that serve whichever modality's buffer is emptiest (by fill fraction)."
+    shared_workers: Annotated[int, Field(ge=0)] | Literal["cpus"] = Field(
+        default=1,
+        description="Threads that serve every modality, each taking the task its consumer needs soonest; `cpus`: one "
+        "a CPU this process may run on, following its affinity as it changes (threads beyond it wait), as a service's "
+        "producer processes on their CPU windows decode.",
     )
     prefetch_steps: int = Field(default=4, ge=1, description="Steps of this rank planned and queued ahead.")
     cache: CacheConfig = Field(

@@ -36,11 +36,18 @@ With ``executor: ray`` (`_remote`), a modality also has one thread per remote sl
 (with ``workers: 0``, only those):
 it takes tasks like a local worker, but only while its actor is up, and runs each with its
 ``RemoteSlot`` (a local worker runs a task with None: decode here).
+
+``shared_workers: cpus`` starts one shared worker a CPU the process may run on and keeps as many
+taking tasks as it may run on now (its affinity, read before each task): a service's producer
+process is moved between CPU windows as streams come and go, and on a window of one CPU a
+second decode thread only takes turns with the first at the interpreter lock, at a cost in CPU
+a batch (benchmarks/RESULTS.md, "Producers' decode threads").
 """
 
 from __future__ import annotations
 
 import bisect
+import os
 import threading
 import time
 from collections import deque
@@ -56,6 +63,16 @@ if TYPE_CHECKING:
 
 Task = Callable[["RemoteSlot | None"], int]
 """A unit of work: fetch and decode one field (on the remote slot given; None: here), store it, return its bytes."""
+
+
+_PARKED_S = 1.0
+"""How often a shared worker waiting beyond the CPUs (``shared_workers: cpus``) looks again; a working one wakes it
+sooner when it sees more CPUs."""
+
+
+def _cpus() -> int:
+    """The CPUs the calling thread may run on."""
+    return len(os.sched_getaffinity(0))
 
 
 class PoolOwner:
@@ -169,13 +186,18 @@ class DecodePools:
         self._owners: list[PoolOwner] = []
         self._closed = False
         self._threads: list[threading.Thread] = []
+        # shared_workers "cpus": one a CPU this process may run on now; those beyond the CPUs it may run on later wait
+        self._follow_cpus = config.shared_workers == "cpus"
+        shared = _cpus() if config.shared_workers == "cpus" else config.shared_workers
+        self._allowed = shared  # shared workers that take tasks (the others wait in `_parked`)
+        self._parked = threading.Condition(self._lock)
         for modality in FIELD_MODALITIES:
             for i in range(self._limits[modality].threads):
                 self._start(f"omnifeed-{modality}-{i}", (modality,))
-        for i in range(config.shared_workers):
-            self._start(f"omnifeed-shared-{i}", None)
+        for i in range(shared):
+            self._start(f"omnifeed-shared-{i}", None, i)
         served = {m for m in FIELD_MODALITIES if self._limits[m].threads or self._limits[m].executor == "ray"} | (
-            set(FIELD_MODALITIES) if config.shared_workers else set()
+            set(FIELD_MODALITIES) if shared else set()
         )
         self._inline = set(FIELD_MODALITIES) - served  # no worker would ever run these: run at submit
         if remote is not None:
@@ -191,8 +213,8 @@ class DecodePools:
                     thread.start()
                     self._threads.append(thread)
 
-    def _start(self, name: str, modalities: tuple[str, ...] | None) -> None:
-        thread = threading.Thread(target=self._work, args=(modalities,), name=name, daemon=True)
+    def _start(self, name: str, modalities: tuple[str, ...] | None, number: int = 0) -> None:
+        thread = threading.Thread(target=self._work, args=(modalities, number), name=name, daemon=True)
         thread.start()
         self._threads.append(thread)
 
@@ -261,17 +283,33 @@ class DecodePools:
         ready = sum(owner._ready[modality] for owner in self._owners)
         return backlog, -ready / (self._limits[modality].buffer_samples * max(1, len(self._owners)))
 
-    def _work(self, modalities: tuple[str, ...] | None) -> None:
+    def _work(self, modalities: tuple[str, ...] | None, number: int = 0) -> None:
+        """A worker's loop (``modalities`` None: a shared one, ``number`` of them, which counts against the CPUs)."""
         wakeup = self._shared_work if modalities is None else self._work_ready[modalities[0]]
+        follow = self._follow_cpus and modalities is None
         while True:
             with self._lock:
-                picked = self._pick(modalities)
-                while picked is None and not self._closed:
-                    wakeup.wait(0.5)
+                while True:
+                    if follow:
+                        self._wait_for_a_cpu(number)
                     picked = self._pick(modalities)
+                    if picked is not None or self._closed:
+                        break
+                    wakeup.wait(0.5)
                 if picked is None:
                     return
             self._run(*picked, None)
+
+    def _wait_for_a_cpu(self, number: int) -> None:
+        """Shared worker ``number`` waits while this process may run on no more CPUs than that (holding the lock);
+        one that sees more CPUs than before wakes those waiting."""
+        allowed = _cpus()  # this thread's affinity: a service places every thread of its producer alike
+        if allowed > self._allowed:
+            self._parked.notify_all()
+        self._allowed = allowed
+        while number >= self._allowed and not self._closed:
+            self._parked.wait(_PARKED_S)
+            self._allowed = _cpus()
 
     def _work_remote(self, remote: RemoteDecoders, modality: str, slot: int) -> None:
         """A remote slot: takes the modality's tasks only while its Ray actor is up, and runs them there."""
@@ -347,6 +385,7 @@ class DecodePools:
             owner._on_error(RuntimeError("the decode pools were closed under this pipeline"))
         with self._lock:
             self._shared_work.notify_all()
+            self._parked.notify_all()
             for condition in self._work_ready.values():
                 condition.notify_all()
         for thread in self._threads:

@@ -67,8 +67,9 @@ class ServiceConfig(BaseModel):
         "the CPUs the service may use (its affinity, so a cgroup or taskset limit holds), windows re-divided as "
         "streams start and stop, adjacent ones sharing a CPU where the division is not exact; a producer's decode "
         "threads then take turns at its interpreter lock on its own cores instead of being preempted by the other "
-        "producers' on every core (less CPU a sample: benchmarks/RESULTS.md, issue 29); `any`: wherever the OS puts "
-        "them.",
+        "producers' on every core (less CPU a sample: benchmarks/RESULTS.md, issue 29); where the feed config leaves "
+        "pools and shared_workers unset, each decodes on one thread a CPU of its window (shared_workers: cpus); `any`: "
+        "wherever the OS puts them, with the feed config's workers.",
     )
     stream_idle_s: float = Field(
         default=30.0, ge=0, description="A stream without clients keeps its prefetched batches this long, then closes."

@@ -14,6 +14,12 @@ they take turns. On 2 cores and 2 ranks that was 4 % less CPU a batch (benchmark
 "2026-12-05: producers on CPU windows"). Threads a producer starts later inherit their creator's
 window, so confining every thread once is enough; a thread started between the listing and the
 confining is caught by a second pass.
+
+On its window a producer decodes on one thread a CPU (`decode_on_windows`, where the feed config
+leaves ``pools`` and ``shared_workers`` unset): the default pools' six decode threads took turns at
+one interpreter lock on one core, and cost more CPU a batch than one thread doing it all in the
+order the plan needs it (benchmarks/RESULTS.md, "Producers' decode threads"). The threads follow
+the window as it is re-divided (``shared_workers: cpus``: those beyond its CPUs wait).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ import threading
 from collections.abc import Iterable
 
 import psutil
+
+from ..feed import FeedConfig
 
 log = logging.getLogger("omnifeed.service")
 
@@ -96,3 +104,13 @@ def _confine(pid: int, cpus: frozenset[int]) -> None:
                     if not isinstance(exc, ProcessLookupError):
                         log.debug("thread %d of producer process %d not placed: %s", tid, process, exc)
             done |= threads
+
+
+def decode_on_windows(config: FeedConfig) -> FeedConfig:
+    """``config`` for a producer process on a CPU window: every modality that decodes in threads decodes on shared
+    workers that follow the process's CPUs (``shared_workers: cpus``, one a CPU of its window), its buffers kept."""
+    pools = {
+        modality: pool.model_copy(update={"workers": 0}) if pool.executor == "threads" else pool
+        for modality, pool in config.pools.items()
+    }
+    return config.model_copy(update={"pools": pools, "shared_workers": "cpus"})

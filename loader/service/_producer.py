@@ -8,7 +8,8 @@ and gets the batch's frame back (`Produced`). Two producers, as ``ServiceConfig.
   node's decoding then runs under one interpreter lock: for two data-parallel ranks the service
   made 0.74–0.79× what two in-process feeds make (benchmarks/RESULTS.md, issue 29).
 - `ChildProducer` (``processes``): the stream's `Feed` in a child process with an engine of its
-  own (its own decode workers, as that rank's in-process `Feed` would have; the RAM and NVMe tiers
+  own (its own decode workers: one a CPU of its window on ``producer_cpus: split`` unless the feed
+  config sets them, else what that rank's in-process `Feed` would have; the RAM and NVMe tiers
   are the node's, shared; `_producer_process`), collating each batch straight into the stream's
   segment, whose descriptor it is sent once::
 

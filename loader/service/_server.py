@@ -55,7 +55,7 @@ from ._connection import Connection, refuse
 from ._handshake import Handshake
 from ._ledger import BatchLedger
 from ._listener import Listener
-from ._placement import CpuWindows
+from ._placement import CpuWindows, decode_on_windows
 from ._producer import ChildProducer, FeedProducer, Producer, ProducerSpec
 from ._producer_metrics import ProducerMetrics
 from ._protocol import PROTOCOL, RequestError, send
@@ -72,6 +72,10 @@ class FeedService:
         self.config = config
         self.producer_processes = _producer_processes(config)  # before anything is built: it may refuse
         self.attempts = AttemptLog(config.audit_log)
+        # producers on CPU windows decode on one thread a CPU, unless the feed config chose its own workers
+        self._decode_on_windows = config.producer_cpus == "split" and not (
+            {"pools", "shared_workers"} & config.feed.model_fields_set
+        )
         self.index = open_feed_index(config.index, config.feed)  # one index, or a mixture's sources
         # the decoder tokenizes as the index counted (refused at start when set otherwise)
         self.engine = engine = DecodeEngine.build(self.index, config.feed, on_error=_pool_error)
@@ -120,7 +124,7 @@ class FeedService:
         if not self.producer_processes:
             return lambda key, start: FeedProducer(index, config.feed, shared, key, start)
         where = None if config.index is None else str(Path(config.index).resolve())
-        feed_json = config.feed.model_dump_json()
+        feed_json = (decode_on_windows(config.feed) if self._decode_on_windows else config.feed).model_dump_json()
         ledger = self.ledger
         counted = self._producer_metrics
         placement = CpuWindows() if config.producer_cpus == "split" else None

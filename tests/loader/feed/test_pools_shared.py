@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -288,3 +290,50 @@ def test_pipelines_sharing_pools_and_a_reader_deliver_what_separate_feeds_do(ind
     assert all(same_batch(a, b) for a, b in zip(got[0], expected[0][:3], strict=True))
     assert all(same_batch(a, b) for a, b in zip(got[1], expected[1], strict=True))
     assert set(threading.enumerate()) - before == set()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs to move the workers between")
+def test_shared_workers_following_the_cpus_decode_one_at_a_time_on_one_cpu_and_more_when_it_has_more() -> None:
+    """``shared_workers: cpus`` (a service's producer on its CPU window): as many tasks at once as CPUs the workers
+    may run on, read again as a service moves them."""
+    cpus = sorted(os.sched_getaffinity(0))[:2]
+    before = set(threading.enumerate())
+    config = FeedConfig(
+        pools={m: PoolConfig(workers=0, buffer_samples=64) for m in FIELD_MODALITIES}, shared_workers="cpus"
+    )
+    with DecodePools(config) as pools:
+        workers = set(threading.enumerate()) - before
+        assert len(workers) == len(os.sched_getaffinity(0))  # shared workers only, one a CPU
+        owner = pools.owner(Errors())
+        running, most = [0], [0]
+        lock = threading.Lock()
+
+        def busy(remote: object) -> int:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            time.sleep(0.03)
+            with lock:
+                running[0] -= 1
+            return 1
+
+        def most_at_once(tasks: int) -> int:
+            most[0] = 0
+            assert admits(owner, tasks)
+            done = [threading.Event() for _ in range(tasks)]
+            for event in done:
+                owner.submit("text", lambda remote, event=event: (busy(remote), event.set())[0])
+            assert all(event.wait(WAIT) for event in done)
+            owner.release("text", tasks, tasks)
+            return most[0]
+
+        def place(on: list[int]) -> None:
+            for thread in workers:
+                os.sched_setaffinity(thread.native_id, on)
+
+        assert most_at_once(8) == 2  # as many CPUs as the process: every worker takes tasks
+        place(cpus[:1])
+        assert most_at_once(8) == 1, "on one CPU the second worker waits"
+        place(cpus)
+        most_at_once(2)  # the first worker sees the second CPU after its task and wakes the other
+        assert most_at_once(8) == 2

@@ -17,9 +17,9 @@ from feed_service import short_socket_dir
 from hypothesis import given
 from hypothesis import strategies as st
 
-from omnifeed.loader import FeedConfig, PlanConfig
+from omnifeed.loader import FeedConfig, PlanConfig, PoolConfig
 from omnifeed.loader.service import FeedService, ServiceConfig
-from omnifeed.loader.service._placement import CpuWindows, windows
+from omnifeed.loader.service._placement import CpuWindows, decode_on_windows, windows
 from omnifeed.trainer_adapter import FeedClient
 
 CPUS = sorted(os.sched_getaffinity(0))
@@ -126,3 +126,42 @@ def test_the_services_producer_processes_each_get_a_window_or_the_whole_node(
         assert placed == {0: {first}, 1: {second}} or placed == {0: {second}, 1: {first}}  # in the order they started
     else:
         assert placed == {0: {frozenset(CPUS)}, 1: {frozenset(CPUS)}}
+
+
+def test_a_producer_on_a_window_decodes_every_threaded_modality_on_one_thread_a_cpu_keeping_its_buffers() -> None:
+    config = FeedConfig(
+        pools={"image": PoolConfig(workers=2, buffer_samples=7), "audio": PoolConfig(executor="processes", workers=1)}
+    )
+    placed = decode_on_windows(config)
+    assert placed.shared_workers == "cpus"
+    assert placed.pools["image"] == PoolConfig(workers=0, buffer_samples=7)  # its buffer kept
+    assert placed.pools["audio"] == config.pools["audio"]  # decode processes stay
+
+
+@pytest.mark.parametrize(
+    ("producer_cpus", "feed", "on_windows"),
+    [
+        ("split", {}, True),
+        ("split", {"shared_workers": 2}, False),  # the config chose its workers: kept
+        ("split", {"pools": {"image": {"workers": 3}}}, False),
+        ("any", {}, False),
+    ],
+)
+def test_producers_decode_on_one_thread_a_cpu_of_their_window_unless_the_config_chose_its_workers(
+    index_dir: Path, producer_cpus: str, feed: dict[str, object], on_windows: bool
+) -> None:
+    config = ServiceConfig(
+        index=str(index_dir),
+        socket=str(short_socket_dir() / "feed.sock"),
+        feed={"plan": {"seed": 3, "batch_size": 2}, **feed},
+        producers="processes",
+        producer_cpus=producer_cpus,
+    )
+    with FeedService(config) as service, FeedClient(config.socket, rank=0, world_size=1) as client:
+        next(iter(client))
+        (stream,) = service.streams.streams()
+        produced_with = FeedConfig.model_validate_json(stream.producer._spec.config_json)
+    chosen = FeedConfig.model_validate({"plan": {"seed": 3, "batch_size": 2}, **feed})
+    assert (produced_with.shared_workers, produced_with.pools) == (
+        ("cpus", decode_on_windows(chosen).pools) if on_windows else (chosen.shared_workers, chosen.pools)
+    )
