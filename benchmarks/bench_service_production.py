@@ -301,6 +301,7 @@ def run_rank(spec: dict[str, Any]) -> dict[str, Any]:
         "rank": spec["rank"],
         "first_epoch_s": round(marks[1][0] - marks[0][0], 3),
         "steady_s": round(t1 - t0, 3),
+        "steady_window": [round(t0, 4), round(t1, 4)],  # time.perf_counter: one clock for every process of the host
         "steady_samples": samples1 - samples0,
         "steady_batches": batches1 - batches0,
         "cpu_s": round(cpu1 - cpu0, 3),
@@ -497,6 +498,7 @@ def run_layout(
             sum(r["waited_s"] for r in results) / sum(max(r["steady_s"], 1e-9) for r in results), 3
         ),
         "ranks_cpu_s": [r["cpu_s"] for r in results],
+        "ranks_steady_window": [r["steady_window"] for r in results],
         "service": served,
         "rank_threads": [r["threads"] for r in results],
         "rank_decode_shares": [r["decode_shares"] for r in results],
