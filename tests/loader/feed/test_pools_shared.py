@@ -331,9 +331,10 @@ def test_shared_workers_following_the_cpus_decode_one_at_a_time_on_one_cpu_and_m
             for thread in workers:
                 os.sched_setaffinity(thread.native_id, on)
 
-        assert most_at_once(8) == 2  # as many CPUs as the process: every worker takes tasks
+        place(cpus)
+        assert most_at_once(8) == 2  # on two CPUs: two workers take tasks
         place(cpus[:1])
         assert most_at_once(8) == 1, "on one CPU the second worker waits"
         place(cpus)
-        most_at_once(2)  # the first worker sees the second CPU after its task and wakes the other
+        most_at_once(2)  # the working one sees the second CPU before its next task and wakes the other
         assert most_at_once(8) == 2
