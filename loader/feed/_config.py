@@ -110,8 +110,8 @@ class FeedConfig(BaseModel):
     shared_workers: Annotated[int, Field(ge=0)] | Literal["cpus"] = Field(
         default=1,
         description="Threads that serve every modality, each taking the task its consumer needs soonest; `cpus`: one "
-        "a CPU this process may run on, following its affinity as it changes (threads beyond it wait), as a service's "
-        "producer processes on their CPU windows decode.",
+        "a CPU this process may run on, following its affinity as it changes (threads beyond it wait, more start "
+        "when it grows), as a service's producer processes on their CPU windows decode.",
     )
     prefetch_steps: int = Field(default=4, ge=1, description="Steps of this rank planned and queued ahead.")
     cache: CacheConfig = Field(

@@ -37,8 +37,9 @@ With ``executor: ray`` (`_remote`), a modality also has one thread per remote sl
 it takes tasks like a local worker, but only while its actor is up, and runs each with its
 ``RemoteSlot`` (a local worker runs a task with None: decode here).
 
-``shared_workers: cpus`` starts one shared worker a CPU the process may run on and keeps as many
-taking tasks as it may run on now (its affinity, read before each task): a service's producer
+``shared_workers: cpus`` keeps one shared worker taking tasks for each CPU the process may run on
+now (its affinity, read before each task; the others wait, and more start when it may run on more
+than ever before): a service's producer
 process is moved between CPU windows as streams come and go, and on a window of one CPU a
 second decode thread only takes turns with the first at the interpreter lock, at a cost in CPU
 a batch (benchmarks/RESULTS.md, "Producers' decode threads").
@@ -189,7 +190,7 @@ class DecodePools:
         # shared_workers "cpus": one a CPU this process may run on now; those beyond the CPUs it may run on later wait
         self._follow_cpus = config.shared_workers == "cpus"
         shared = _cpus() if config.shared_workers == "cpus" else config.shared_workers
-        self._allowed = shared  # shared workers that take tasks (the others wait in `_parked`)
+        self._allowed = self._shared = shared  # shared workers that take tasks (the others wait in `_parked`); started
         self._parked = threading.Condition(self._lock)
         for modality in FIELD_MODALITIES:
             for i in range(self._limits[modality].threads):
@@ -302,10 +303,13 @@ class DecodePools:
 
     def _wait_for_a_cpu(self, number: int) -> None:
         """Shared worker ``number`` waits while this process may run on no more CPUs than that (holding the lock);
-        one that sees more CPUs than before wakes those waiting."""
+        one that sees more CPUs than before wakes those waiting, and starts workers for CPUs none had yet."""
         allowed = _cpus()  # this thread's affinity: a service places every thread of its producer alike
-        if allowed > self._allowed:
+        if allowed > self._allowed and not self._closed:
             self._parked.notify_all()
+            for more in range(self._shared, allowed):  # they inherit this thread's CPUs
+                self._start(f"omnifeed-shared-{more}", None, more)
+            self._shared = max(self._shared, allowed)
         self._allowed = allowed
         while number >= self._allowed and not self._closed:
             self._parked.wait(_PARKED_S)

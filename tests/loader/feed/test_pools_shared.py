@@ -297,44 +297,56 @@ def test_shared_workers_following_the_cpus_decode_one_at_a_time_on_one_cpu_and_m
     """``shared_workers: cpus`` (a service's producer on its CPU window): as many tasks at once as CPUs the workers
     may run on, read again as a service moves them."""
     cpus = sorted(os.sched_getaffinity(0))[:2]
-    before = set(threading.enumerate())
+    before, mine = set(threading.enumerate()), os.sched_getaffinity(0)
     config = FeedConfig(
         pools={m: PoolConfig(workers=0, buffer_samples=64) for m in FIELD_MODALITIES}, shared_workers="cpus"
     )
-    with DecodePools(config) as pools:
+    os.sched_setaffinity(0, cpus[:1])  # this thread, which the workers inherit: a producer placed before its pools
+    try:
+        pools = DecodePools(config)
+    finally:
+        os.sched_setaffinity(0, mine)
+    with pools:
         workers = set(threading.enumerate()) - before
-        assert len(workers) == len(os.sched_getaffinity(0))  # shared workers only, one a CPU
+        assert len(workers) == 1  # shared workers only, one a CPU
         owner = pools.owner(Errors())
         running, most = [0], [0]
         lock = threading.Lock()
 
-        def busy(remote: object) -> int:
-            with lock:
-                running[0] += 1
-                most[0] = max(most[0], running[0])
-            time.sleep(0.03)
-            with lock:
-                running[0] -= 1
-            return 1
-
-        def most_at_once(tasks: int) -> int:
+        def run_tasks(tasks: int, together: threading.Barrier | None = None) -> int:
+            """The most of ``tasks`` that ran at once; ``together``: the first two wait for each other (two workers
+            must be taking tasks, or it breaks after ``WAIT``)."""
             most[0] = 0
+
+            def busy(number: int, done: threading.Event) -> int:
+                with lock:
+                    running[0] += 1
+                    most[0] = max(most[0], running[0])
+                if together is not None and number < 2:
+                    together.wait()
+                time.sleep(0.01)
+                with lock:
+                    running[0] -= 1
+                done.set()
+                return 1
+
             assert admits(owner, tasks)
             done = [threading.Event() for _ in range(tasks)]
-            for event in done:
-                owner.submit("text", lambda remote, event=event: (busy(remote), event.set())[0])
+            for number, event in enumerate(done):
+                owner.submit("text", lambda remote, number=number, event=event: busy(number, event))
             assert all(event.wait(WAIT) for event in done)
             owner.release("text", tasks, tasks)
             return most[0]
 
         def place(on: list[int]) -> None:
-            for thread in workers:
+            for thread in set(threading.enumerate()) - before:
                 os.sched_setaffinity(thread.native_id, on)
 
-        place(cpus)
-        assert most_at_once(8) == 2  # on two CPUs: two workers take tasks
+        assert run_tasks(8) == 1
+        place(cpus)  # a wider window: the worker starts a second one, on the CPUs it has now
+        assert run_tasks(8, threading.Barrier(2, timeout=WAIT)) == 2
+        assert len(set(threading.enumerate()) - before) == 2
         place(cpus[:1])
-        assert most_at_once(8) == 1, "on one CPU the second worker waits"
-        place(cpus)
-        most_at_once(2)  # the working one sees the second CPU before its next task and wakes the other
-        assert most_at_once(8) == 2
+        assert run_tasks(8) == 1, "on one CPU the second worker waits"
+        place(cpus)  # the working one sees the second CPU before its next task and wakes the other
+        assert run_tasks(8, threading.Barrier(2, timeout=WAIT)) == 2
