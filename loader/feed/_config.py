@@ -114,6 +114,12 @@ class FeedConfig(BaseModel):
         "when it grows), as a service's producer processes on their CPU windows decode.",
     )
     prefetch_steps: int = Field(default=4, ge=1, description="Steps of this rank planned and queued ahead.")
+    numpy_hugepages: bool = Field(
+        default=False,
+        description="numpy's transparent huge pages for arrays of 4 MiB or more in a process whose feed decodes in "
+        "threads (numpy's default is on; off, a fresh decoded clip or padded batch is not zeroed 2 MiB at a time on "
+        "first touch). Process-wide; NUMPY_MADVISE_HUGEPAGE in the environment wins.",
+    )
     cache: CacheConfig = Field(
         default_factory=CacheConfig,
         description="Cache tiers (RAM, NVMe) and origin reads (timeouts, retries, latency monitor, I/O threads).",

@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._modalities import FIELD_MODALITIES
 from ._config import FeedConfig, PoolConfig
+from ._process_memory import follow_numpy_hugepages
 
 if TYPE_CHECKING:
     from ._remote import RemoteDecoders
@@ -175,6 +176,7 @@ class DecodePools:
         remote: RemoteDecoders | None = None,
     ) -> None:
         self._observe = on_error
+        follow_numpy_hugepages(config.numpy_hugepages)  # the decode threads' arrays, and the batches collated here
         # One lock; separate conditions so that a finished or submitted task wakes only the
         # threads that can act on it (a notify_all per task woke every worker: GIL churn).
         self._lock = threading.Lock()

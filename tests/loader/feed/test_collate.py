@@ -46,6 +46,20 @@ def test_uncollate_recovers_every_sample_without_padding(samples: list[dict]) ->
     assert same_values(collate(recovered, keys, {}), batch)
 
 
+def _dirty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Memory handed out with old contents in it, as the service's reused shared memory is."""
+    out = np.empty(shape, dtype=dtype)
+    out.view(np.uint8)[...] = 0xA5
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(decoded_samples())
+def test_padding_is_zeros_whatever_the_memory_held_before(samples: list[dict]) -> None:
+    keys = [f"k{i}" for i in range(len(samples))]
+    assert same_values(collate(samples, keys, {}, alloc=_dirty), collate(samples, keys, {}, alloc=np.zeros))
+
+
 def test_the_trainer_side_hands_out_the_batch_as_tensors_sharing_its_memory() -> None:
     import torch
 
