@@ -9,10 +9,10 @@ this thread, the ways alternated:
 - ``segment``: into memory reused batch after batch, as the service's shared-memory segments are. Before: zeroed
   whole, then the rows; now: the rows, then only the padding zeroed.
 - ``feed``: a real `Feed` over the mix (rank 0 of 2, its decode thread running), ``Feed.next_batch`` in a trainer's
-  loop (the batch kept through a 20 ms "step", dropped when the next one comes) for ``--feed-epochs`` epochs:
-  ``before``, its arrays from malloc (fresh pages whenever malloc gave the last ones back); ``now``, from the
-  feed's `BatchMemory` (the buffers of batches the trainer let go). Thread CPU of each ``next_batch`` (collating
-  included; the batch is waiting), median, mean and the worst, over every batch after the first.
+  loop (the batch kept through a 20 ms "step", dropped when the next one comes) for ``--feed-epochs`` epochs, with
+  numpy's huge-page advice on (numpy's default; ``numpy_hugepages: true``) and off (the feed's default). Thread CPU
+  of each ``next_batch`` (collating included; the batch is waiting), median, mean and the worst, over every batch
+  after the first.
 
 Measured: ``time.thread_time()`` (user and system CPU of this thread, page faults included).
 """
@@ -97,13 +97,12 @@ def cpu_per_batch(batches: Sequence[tuple[list[Any], list[str]]], way: str, segm
         _collate._pad_stack = now
 
 
-def feed_loop(samples: int, epochs: int, recycled: bool) -> list[float]:
+def feed_loop(samples: int, epochs: int, hugepages: bool) -> list[float]:
     """Thread CPU milliseconds of each ``Feed.next_batch`` after the first over ``epochs`` epochs of the mix."""
     with tempfile.TemporaryDirectory() as tmp:
         data = write_training_data(Path(tmp), samples, 8)
-        with Feed(data.index, feed_config(data.budget["suggested_budget"], 1), world_size=2, rank=0) as feed:
-            if not recycled:
-                feed._batch_memory.alloc = _collate._private  # type: ignore[method-assign]
+        config = feed_config(data.budget["suggested_budget"], 1).model_copy(update={"numpy_hugepages": hugepages})
+        with Feed(data.index, config, world_size=2, rank=0) as feed:
             batch = feed.next_batch()
             times = []
             while feed.epoch < epochs:
@@ -140,14 +139,14 @@ def main() -> None:
     }
     before, now = medians["segment/before"], medians["segment/now"]
     print(f"segment: before {before:.3f} ms a micro-batch, now {now:.3f} ms ({now / before:.2f}x)")
-    loops: dict[str, list[float]] = {"before": [], "now": []}
+    loops: dict[str, list[float]] = {"hugepages": [], "no-hugepages": []}
     for round_ in range(args.feed_rounds):
-        for way in ("before", "now") if round_ % 2 == 0 else ("now", "before"):
-            loops[way] += feed_loop(args.samples, args.feed_epochs, way == "now")
+        for way in list(loops) if round_ % 2 == 0 else list(loops)[::-1]:
+            loops[way] += feed_loop(args.samples, args.feed_epochs, way == "hugepages")
     report["feed_next_batch_ms"] = loops
     for way, values in loops.items():
         print(
-            f"feed {way:6}: next_batch median {statistics.median(values):.2f} ms,"
+            f"feed, numpy {way:12}: next_batch median {statistics.median(values):.2f} ms,"
             f" mean {statistics.fmean(values):.2f} ms, worst {max(values):.1f} ms ({len(values)} batches)"
         )
     if args.out is not None:

@@ -4,7 +4,7 @@ numpy (1.22+) asks the kernel for transparent huge pages (``madvise(MADV_HUGEPAG
 more. A feed allocates such arrays all the time and keeps each for a step or two (a clip's decoded frames, a
 micro-batch of pictures padded together), and where the kernel honours the advice each first touch of a fresh
 2 MiB page zeroes it whole: on these machines collating a micro-batch into fresh memory took 60–75 ms of system CPU
-with the advice, under 4 ms without, and the training scenario's in-process ranks made 8 % more samples
+with the advice, under 4 ms without, and the training scenario's in-process ranks spent 10–17 % less CPU a sample
 (benchmarks/RESULTS.md, "numpy's huge pages"). The setting is numpy's, for the whole process: `FeedConfig`'s
 ``numpy_hugepages`` turns it back on, and ``NUMPY_MADVISE_HUGEPAGE`` in the environment (numpy's own override)
 always wins.
