@@ -63,7 +63,7 @@ def _pad_stack(arrays: Sequence[np.ndarray], alloc: Allocator = _private) -> np.
     if all(a.shape == shape for a in arrays):
         np.stack(arrays, out=out)
         return out
-    zeroed = alloc is _private
+    zeroed = alloc is _private  # calloc'd: its padding is zeros already
     for row, array in enumerate(arrays):
         covered: tuple[Any, ...] = (row,) + tuple(slice(0, s) for s in array.shape)
         out[covered] = array
