@@ -1,6 +1,7 @@
-"""CPU of collating the training mix's micro-batches, the way before against the way now, in one run (issue 29).
+"""CPU of collating the training mix's micro-batches: padding before and now, numpy's huge pages on and off (issue 29).
 
-    python benchmarks/bench_collate.py [--samples 1024] [--rounds 7] [--out FILE.json]
+    python benchmarks/bench_collate.py [--samples 1024] [--rounds 7] [--feed-rounds 2] [--feed-epochs 3]
+                                       [--out FILE.json]
 
 The micro-batches are the training scenario's (`omnifeed bench --scenario training`: its four-modality mix, its
 decode, its budget-mode plan for batches of 8), taken decoded from a `Feed` once, then collated again and again on
